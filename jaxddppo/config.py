@@ -1,0 +1,269 @@
+"""Typed, frozen configuration: defaults, YAML files, dotted overrides, validation.
+
+The dataclasses below are the single source of truth for every option. A YAML
+file fills them, `section.key=value` overrides follow, and `validate` checks
+ranges and choices. Sizes that depend on the device count are derived later, in
+`sharding.py`. Nothing writes into a config after it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is one line that names the key and the value."""
+
+
+def _opt(default: Any, help: str, **choices: Any) -> Any:
+    metadata = {"help": help, **choices}
+    if isinstance(default, (list, tuple)):
+        return field(default_factory=lambda: tuple(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    id: str = _opt("CartPole-v1", "gymnax environment id (see the README for the list)")
+    num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    torso: str = _opt(
+        "auto", "mlp, cnn, or auto (cnn for image observations, else mlp)",
+        choices=("auto", "mlp", "cnn"),
+    )
+    hidden_sizes: tuple[int, ...] = _opt((64, 64), "widths of the MLP layers (after the CNN, if any)")
+    activation: str = _opt(
+        "tanh", "activation of hidden layers", choices=("tanh", "relu", "gelu", "silu", "elu")
+    )
+    shared_torso: bool = _opt(False, "actor and critic share one torso (default: separate torsos)")
+    cnn_channels: tuple[int, ...] = _opt((16,), "output channels of each 3x3 convolution layer")
+    init_log_std: float = _opt(0.0, "initial log standard deviation of the Gaussian head")
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    num_steps: int = _opt(128, "rollout length: environment steps per env between updates")
+    num_epochs: int = _opt(4, "passes over each rollout")
+    num_minibatches: int = _opt(4, "minibatches per epoch (each one global: all shards together)")
+    learning_rate: float = _opt(2.5e-4, "Adam learning rate (initial value when annealed)")
+    anneal_lr: bool = _opt(True, "anneal the learning rate linearly to 0 over the whole run")
+    adam_eps: float = _opt(1e-5, "Adam epsilon")
+    gamma: float = _opt(0.99, "discount factor")
+    gae_lambda: float = _opt(0.95, "GAE lambda")
+    clip_eps: float = _opt(0.2, "PPO ratio clip range")
+    clip_value: bool = _opt(True, "clip the value update to clip_eps around the rollout values")
+    vf_coef: float = _opt(0.5, "value loss coefficient")
+    ent_coef: float = _opt(0.01, "entropy bonus coefficient")
+    max_grad_norm: float = _opt(0.5, "global-norm gradient clipping threshold")
+    normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    total_env_steps: int = _opt(500_000, "environment steps over the whole run, all shards together")
+    seed: int = _opt(0, "random seed")
+    num_shards: Optional[int] = _opt(
+        None, "logical data-parallel shards (default: the number of devices, over all hosts)"
+    )
+    updates_per_chunk: int = _opt(
+        16, "updates per compiled call; the host logs and reports progress between calls"
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    num_episodes: int = _opt(32, "episodes of the final deterministic evaluation")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: Optional[str] = _opt(None, "output directory (default: runs/<env>-<timestamp>)")
+    progress: bool = _opt(True, "show progress (a bar on a terminal, else one line per chunk)")
+
+
+@dataclass(frozen=True)
+class Config:
+    env: EnvConfig = field(default_factory=EnvConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    key: str
+    type_name: str
+    default: Any
+    help: str
+
+
+def _type_name(annotation: Any) -> str:
+    name = str(annotation).replace("typing.", "")
+    if name.startswith("Optional[") and name.endswith("]"):
+        return name[len("Optional["):-1] + " or null"
+    return name
+
+
+def options(config_type: type = Config, prefix: str = "") -> list[OptionInfo]:
+    """Every leaf option as a dotted key, with its type, default and help."""
+    result = []
+    defaults = config_type()
+    for fld in dataclasses.fields(config_type):
+        value = getattr(defaults, fld.name)
+        if dataclasses.is_dataclass(value):
+            result.extend(options(type(value), f"{prefix}{fld.name}."))
+        else:
+            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"]))
+    return result
+
+
+def help_text() -> str:
+    """One line per option: key, type, default and meaning."""
+    lines = []
+    for opt in options():
+        default = "all devices" if opt.key == "train.num_shards" else opt.default
+        if isinstance(default, tuple):
+            default = "[" + ",".join(str(v) for v in default) + "]"
+        lines.append(f"  {opt.key} ({opt.type_name}, default {default}): {opt.help}")
+    return "\n".join(lines)
+
+
+def _suggest(key: str) -> str:
+    known = [opt.key for opt in options()]
+    sections = sorted({k.split(".")[0] for k in known})
+    close = difflib.get_close_matches(key, known + sections, n=1, cutoff=0.5)
+    if not close and "." in key:
+        leaf = key.rsplit(".", 1)[1]
+        close = [k for k in known if k.rsplit(".", 1)[1] == leaf][:1]
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _error_from_omegaconf(error: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(error, "full_key", None) or "?"
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if type(error).__name__ == "ConfigKeyError":
+        return ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}")
+    return ConfigError(f"{source}: {key}: {first_line}")
+
+
+def _load_yaml(path: str) -> Any:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"config file is a directory: {path}")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as error:  # the YAML parser's own errors are many-lined
+        detail = " ".join(str(error).split())[:200]
+        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    if loaded is None or not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, e.g. 'env: {{id: CartPole-v1}}'")
+    return loaded
+
+
+def _parse_overrides(overrides: Iterable[str]) -> Any:
+    pairs = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or key.strip() != key:
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        pairs.append(f"{key}={value}")
+    try:
+        return OmegaConf.from_dotlist(pairs)
+    except OmegaConfBaseException as error:
+        raise _error_from_omegaconf(error, "command line") from None
+
+
+def _merge(base: Any, layer: Any, source: str) -> Any:
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as error:
+        raise _error_from_omegaconf(error, source) from None
+
+
+def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
+    """Defaults, then the YAML file (if any), then `key=value` overrides; validated."""
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        merged = _merge(merged, _load_yaml(path), path)
+    merged = _merge(merged, _parse_overrides(overrides), "command line")
+    config = OmegaConf.to_object(merged)
+    validate(config)
+    return config
+
+
+def from_dict(values: dict) -> Config:
+    """A config from a nested dict of overrides (the Python API), validated."""
+    merged = _merge(OmegaConf.structured(Config), OmegaConf.create(values), "config")
+    config = OmegaConf.to_object(merged)
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(config))
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def _check(condition: bool, key: str, value: Any, requirement: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}={value!r} is invalid: {requirement}")
+
+
+def validate(config: Config) -> None:
+    """Range and choice checks that need no device information."""
+    for section in dataclasses.fields(config):
+        values = getattr(config, section.name)
+        for fld in dataclasses.fields(values):
+            key, value = f"{section.name}.{fld.name}", getattr(values, fld.name)
+            choices = fld.metadata.get("choices")
+            if choices is not None:
+                _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
+            if isinstance(value, float):
+                _check(math.isfinite(value), key, value, "must be a finite number")
+    positive_ints = [
+        ("env.num_envs", config.env.num_envs),
+        ("ppo.num_steps", config.ppo.num_steps),
+        ("ppo.num_epochs", config.ppo.num_epochs),
+        ("ppo.num_minibatches", config.ppo.num_minibatches),
+        ("train.total_env_steps", config.train.total_env_steps),
+        ("train.updates_per_chunk", config.train.updates_per_chunk),
+        ("eval.num_episodes", config.eval.num_episodes),
+    ]
+    for key, value in positive_ints:
+        _check(value >= 1, key, value, "must be at least 1")
+    if config.train.num_shards is not None:
+        _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
+               "must be at least 1 (or left unset for one shard per device)")
+    _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
+    _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
+    _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
+    for key in ("gamma", "gae_lambda"):
+        value = getattr(config.ppo, key)
+        _check(0.0 <= value <= 1.0, f"ppo.{key}", value, "must be in [0, 1]")
+    for key in ("clip_eps", "max_grad_norm"):
+        value = getattr(config.ppo, key)
+        _check(value > 0, f"ppo.{key}", value, "must be > 0")
+    for key in ("vf_coef", "ent_coef"):
+        value = getattr(config.ppo, key)
+        _check(value >= 0, f"ppo.{key}", value, "must be >= 0")
+    _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
+           "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
+    _check(all(c >= 1 for c in config.network.cnn_channels), "network.cnn_channels",
+           list(config.network.cnn_channels), "widths must be positive")

@@ -1,0 +1,61 @@
+"""Deterministic evaluation of a policy on device: one episode per environment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxddppo.envs import BatchedEnv
+from jaxddppo.networks import ActorCritic
+
+
+@struct.dataclass
+class EvalResult:
+    returns: jax.Array  # [num_episodes]
+    lengths: jax.Array  # [num_episodes]
+
+
+@struct.dataclass
+class _EvalCarry:
+    env_state: Any
+    obs: jax.Array
+    returns: jax.Array
+    lengths: jax.Array
+    finished: jax.Array
+    step: jax.Array
+
+
+def evaluate_policy(
+    env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, num_episodes: int
+) -> EvalResult:
+    """Run `num_episodes` environments with the policy's mode until each ends its first episode.
+
+    Episodes that reach the time limit count as ended. Jittable.
+    """
+    key_reset, key_steps = jax.random.split(key)
+    obs, env_state = env.reset(key_reset, num_episodes)
+    zeros = jnp.zeros((num_episodes,), jnp.float32)
+    init = _EvalCarry(env_state, obs, zeros, zeros.astype(jnp.int32), zeros.astype(bool), jnp.zeros((), jnp.int32))
+    max_steps = env.spec.max_episode_steps + 1
+
+    def not_done(carry: _EvalCarry) -> jax.Array:
+        return jnp.logical_and(jnp.logical_not(carry.finished.all()), carry.step < max_steps)
+
+    def step(carry: _EvalCarry) -> _EvalCarry:
+        dist, _ = network.apply(params, carry.obs)
+        env_state, result = env.step(jax.random.fold_in(key_steps, carry.step), carry.env_state, dist.mode())
+        ended = jnp.logical_and(result.terminated | result.truncated, jnp.logical_not(carry.finished))
+        return _EvalCarry(
+            env_state=env_state,
+            obs=result.obs,
+            returns=jnp.where(ended, result.episode_return, carry.returns),
+            lengths=jnp.where(ended, result.episode_length, carry.lengths),
+            finished=carry.finished | ended,
+            step=carry.step + 1,
+        )
+
+    final = jax.lax.while_loop(not_done, step, init)
+    return EvalResult(returns=final.returns, lengths=final.lengths)

@@ -1,0 +1,125 @@
+"""What a run writes and shows: metrics.jsonl, summary.json, progress output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional, TextIO
+
+from tqdm import tqdm
+
+# Every field of a metrics.jsonl row, with its meaning (the README's table comes from here).
+METRIC_FIELDS: dict[str, str] = {
+    "update": "updates done so far (1 for the first)",
+    "env_steps": "environment steps done so far, all shards together",
+    "wall_seconds": "seconds since training started (compile excluded)",
+    "policy_loss": "clipped-surrogate loss, mean over the update's epochs x minibatches",
+    "value_loss": "value loss (0.5 x squared error, clipped if ppo.clip_value), same mean",
+    "entropy": "policy entropy, same mean",
+    "approx_kl": "approximate KL(old || new), E[(r - 1) - log r], same mean",
+    "clip_fraction": "fraction of samples whose ratio left [1 - clip_eps, 1 + clip_eps], same mean",
+    "grad_norm": "global norm of the all-reduced gradient before clipping, same mean",
+    "explained_variance": "1 - Var[return - value] / Var[return] over the rollout, all shards",
+    "learning_rate": "learning rate at the update's first SGD step",
+    "episode_return_mean": "mean return of the episodes that ended during the update, all shards (null if none)",
+    "episode_length_mean": "mean length of those episodes (null if none)",
+    "episodes_completed": "number of those episodes",
+}
+
+# Every field of summary.json, with its meaning.
+SUMMARY_FIELDS: dict[str, str] = {
+    "env_id": "environment id",
+    "total_env_steps": "environment steps done (a whole number of updates)",
+    "num_updates": "PPO updates done",
+    "num_devices": "devices in the mesh, over all processes",
+    "num_shards": "logical data-parallel shards",
+    "num_processes": "JAX processes (hosts)",
+    "backend": "JAX backend (cpu, gpu, tpu)",
+    "jax_version": "JAX version",
+    "compile_seconds": "seconds spent compiling the training step(s)",
+    "train_seconds": "seconds of training, compile excluded",
+    "env_steps_per_second": "total_env_steps / train_seconds",
+    "final_episode_return": "mean return of the training episodes that ended in the last chunk of updates",
+    "eval_return_mean": "mean return of the final deterministic evaluation",
+    "eval_return_std": "standard deviation of those returns",
+    "eval_length_mean": "mean length of the evaluation episodes",
+    "eval_episodes": "number of evaluation episodes",
+    "params_digest": "float64 sum of |p| over all parameters (equal runs give equal digests)",
+}
+
+
+def json_safe(value: Any) -> Any:
+    """Floats that JSON cannot hold (NaN, inf) become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write a JSON file atomically: a reader never sees half of it."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump({k: json_safe(v) for k, v in payload.items()}, handle, indent=2)
+        handle.write("\n")
+    os.replace(temporary, path)
+
+
+class MetricsWriter:
+    """Appends one JSON object per update to metrics.jsonl, flushed after every chunk."""
+
+    def __init__(self, path: str):
+        self._handle: TextIO = open(path, "a")
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            self._handle.write(json.dumps({k: json_safe(v) for k, v in row.items()}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise one plain line at most every `line_interval` seconds."""
+
+    def __init__(self, total_env_steps: int, enabled: bool, stream: TextIO = sys.stderr,
+                 line_interval: float = 2.0):
+        self._total = total_env_steps
+        self._enabled = enabled
+        self._stream = stream
+        self._interval = line_interval
+        self._last_line = -math.inf
+        self._bar: Optional[tqdm] = None
+        if enabled and stream.isatty():
+            self._bar = tqdm(total=total_env_steps, unit="step", unit_scale=True, file=stream, dynamic_ncols=True)
+
+    def update(self, env_steps: int, steps_per_second: float, episode_return: Optional[float]) -> None:
+        if not self._enabled:
+            return
+        shown_return = "n/a" if episode_return is None else f"{episode_return:.1f}"
+        if self._bar is not None:
+            self._bar.update(env_steps - self._bar.n)
+            self._bar.set_postfix_str(f"{steps_per_second:,.0f} steps/s, return {shown_return}")
+            return
+        now = time.monotonic()
+        if now - self._last_line >= self._interval or env_steps >= self._total:
+            self._last_line = now
+            percent = 100.0 * env_steps / self._total
+            print(
+                f"[{percent:5.1f}%] env steps {env_steps:,}/{self._total:,} | "
+                f"{steps_per_second:,.0f} steps/s | episode return {shown_return}",
+                file=self._stream, flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self._stream)
+        else:
+            print(text, file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

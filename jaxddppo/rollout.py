@@ -1,0 +1,104 @@
+"""Rollouts of a batch of environments under the policy (`lax.scan`), and GAE."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxddppo.envs import BatchedEnv, EpisodeState
+
+ApplyFn = Callable[[Any, jax.Array], tuple[Any, jax.Array]]
+
+
+@struct.dataclass
+class Transition:
+    """One rollout, time-major: every leaf is [T, B, ...]."""
+
+    obs: jax.Array  # observation acted on
+    action: jax.Array
+    log_prob: jax.Array  # log pi_old(action | obs)
+    value: jax.Array  # V_old(obs)
+    reward: jax.Array
+    terminated: jax.Array  # true end of episode: no bootstrap
+    truncated: jax.Array  # time limit: bootstrap from final_obs
+    final_obs: jax.Array  # observation reached by the step, before any auto-reset
+
+
+@struct.dataclass
+class RolloutState:
+    """What a shard carries from one rollout to the next."""
+
+    env: EpisodeState
+    obs: jax.Array  # [B, *obs_shape]
+
+
+@struct.dataclass
+class EpisodeStats:
+    """Sums over the episodes that ended during a rollout."""
+
+    return_sum: jax.Array
+    length_sum: jax.Array
+    count: jax.Array
+
+
+def collect_rollout(
+    env: BatchedEnv, apply_fn: ApplyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int
+) -> tuple[RolloutState, Transition, EpisodeStats]:
+    """Step every environment `num_steps` times with actions sampled from the policy."""
+
+    def step(carry: RolloutState, step_key: jax.Array) -> tuple[RolloutState, tuple[Transition, Any]]:
+        key_action, key_env = jax.random.split(step_key)
+        dist, value = apply_fn(params, carry.obs)
+        action = dist.sample(key_action)
+        env_state, result = env.step(key_env, carry.env, action)
+        transition = Transition(
+            obs=carry.obs,
+            action=action,
+            log_prob=dist.log_prob(action),
+            value=value,
+            reward=result.reward,
+            terminated=result.terminated,
+            truncated=result.truncated,
+            final_obs=result.final_obs,
+        )
+        ended = (result.episode_return, result.episode_length, result.terminated | result.truncated)
+        return RolloutState(env_state, result.obs), (transition, ended)
+
+    state, (transitions, (returns, lengths, ended)) = jax.lax.scan(step, state, jax.random.split(key, num_steps))
+    stats = EpisodeStats(
+        return_sum=returns.sum(),
+        length_sum=lengths.sum().astype(jnp.float32),
+        count=ended.sum().astype(jnp.float32),
+    )
+    return state, transitions, stats
+
+
+def gae(
+    rewards: jax.Array,
+    values: jax.Array,
+    next_values: jax.Array,
+    terminated: jax.Array,
+    truncated: jax.Array,
+    gamma: float | jax.Array,
+    gae_lambda: float | jax.Array,
+) -> jax.Array:
+    """Generalised advantage estimates; every argument and the result are [T, B].
+
+    `next_values[t]` is V(s_{t+1}) of the state the step reached (before any
+    reset). A terminated step does not bootstrap; a truncated one does. Either
+    ends the episode, so the lambda-trace stops there.
+    """
+    not_terminated = 1.0 - terminated.astype(values.dtype)
+    continues = not_terminated * (1.0 - truncated.astype(values.dtype))
+    deltas = rewards + gamma * next_values * not_terminated - values
+
+    def backward(next_advantage: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        delta, cont = inputs
+        advantage = delta + gamma * gae_lambda * cont * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(values[0]), (deltas, continues), reverse=True)
+    return advantages

@@ -1,0 +1,185 @@
+"""All parallelism: mesh, shard axes, global and per-shard sizes, the shard_map wrapper.
+
+A *shard* is a logical slice of the global batch with its own environments and
+its own local minibatching; a *device* is physical. Every array of the training
+state has a leading axis of length `num_shards`, split over the mesh axis
+`DEVICE_AXIS`; when there are more shards than devices each device runs
+`shards_per_device` of them under `vmap(axis_name=SHARD_AXIS)`. Every
+cross-shard reduction reduces over both axes, so the result does not depend on
+how shards map to devices.
+
+Other modules never name an axis: they call `pmean_over_shards` and friends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxddppo.config import Config, ConfigError
+
+SHARD_AXIS = "shard"
+DEVICE_AXIS = "device"
+_ALL_SHARD_AXES = (SHARD_AXIS, DEVICE_AXIS)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Global and per-shard sizes, derived once from the config and the devices."""
+
+    num_devices: int
+    num_processes: int
+    num_shards: int
+    shards_per_device: int
+    num_envs: int
+    num_envs_per_shard: int
+    num_steps: int
+    num_minibatches: int
+    minibatch_size_per_shard: int
+    env_steps_per_update: int
+    num_updates: int
+    updates_per_chunk: int
+
+    @property
+    def global_minibatch_size(self) -> int:
+        return self.minibatch_size_per_shard * self.num_shards
+
+
+def _require_divisible(numerator: tuple[str, int], denominator: tuple[str, int], advice: str) -> None:
+    (num_name, num_value), (den_name, den_value) = numerator, denominator
+    if num_value % den_value:
+        raise ConfigError(
+            f"{num_name}={num_value} is not divisible by {den_name}={den_value}; {advice}"
+        )
+
+
+def make_topology(config: Config, num_devices: Optional[int] = None,
+                  num_processes: Optional[int] = None) -> Topology:
+    """Derive every size from the global config; raise ConfigError on a bad combination."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    num_processes = jax.process_count() if num_processes is None else num_processes
+    num_shards = config.train.num_shards or num_devices
+    shard_key = "train.num_shards" if config.train.num_shards else "train.num_shards (default: devices)"
+    _require_divisible(
+        (shard_key, num_shards), ("the device count", num_devices),
+        f"set train.num_shards to a multiple of {num_devices}",
+    )
+    num_envs = config.env.num_envs
+    _require_divisible(
+        ("env.num_envs", num_envs), (shard_key, num_shards),
+        f"set env.num_envs to a multiple of {num_shards}",
+    )
+    num_envs_per_shard = num_envs // num_shards
+    samples_per_shard = num_envs_per_shard * config.ppo.num_steps
+    _require_divisible(
+        ("env.num_envs/train.num_shards x ppo.num_steps", samples_per_shard),
+        ("ppo.num_minibatches", config.ppo.num_minibatches),
+        "change ppo.num_minibatches, ppo.num_steps or env.num_envs",
+    )
+    env_steps_per_update = num_envs * config.ppo.num_steps
+    num_updates = config.train.total_env_steps // env_steps_per_update
+    if num_updates < 1:
+        raise ConfigError(
+            f"train.total_env_steps={config.train.total_env_steps} is less than one update "
+            f"(env.num_envs x ppo.num_steps = {env_steps_per_update}); raise train.total_env_steps"
+        )
+    return Topology(
+        num_devices=num_devices,
+        num_processes=num_processes,
+        num_shards=num_shards,
+        shards_per_device=num_shards // num_devices,
+        num_envs=num_envs,
+        num_envs_per_shard=num_envs_per_shard,
+        num_steps=config.ppo.num_steps,
+        num_minibatches=config.ppo.num_minibatches,
+        minibatch_size_per_shard=samples_per_shard // config.ppo.num_minibatches,
+        env_steps_per_update=env_steps_per_update,
+        num_updates=num_updates,
+        updates_per_chunk=min(config.train.updates_per_chunk, num_updates),
+    )
+
+
+def make_mesh() -> Mesh:
+    """A one-axis mesh over every device of every process."""
+    return Mesh(np.asarray(jax.devices()), (DEVICE_AXIS,))
+
+
+def shard_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (shard) axis split over the devices, the rest whole."""
+    return NamedSharding(mesh, PartitionSpec(DEVICE_AXIS))
+
+
+def pmean_over_shards(tree: Any) -> Any:
+    """Mean over every shard (call inside a function wrapped by `shard_parallel`)."""
+    return jax.lax.pmean(tree, _ALL_SHARD_AXES)
+
+
+def psum_over_shards(tree: Any) -> Any:
+    """Sum over every shard (call inside a function wrapped by `shard_parallel`)."""
+    return jax.lax.psum(tree, _ALL_SHARD_AXES)
+
+
+def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:
+    """Compile `per_shard` to run once per logical shard over the whole mesh.
+
+    Every argument and result is a pytree whose leaves have a leading
+    `num_shards` axis. `check_vma=False` gives pmap semantics: `jax.grad` inside
+    `per_shard` is the local gradient, and `pmean_over_shards` then averages it
+    (with the default `check_vma=True`, grad would already sum over devices).
+    """
+    spec = PartitionSpec(DEVICE_AXIS)
+    mapped = jax.shard_map(
+        jax.vmap(per_shard, axis_name=SHARD_AXIS),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+        check_vma=False,
+    )
+    return jax.jit(mapped, donate_argnums=donate_argnums)
+
+
+def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
+    """The global array [0, 1, ..., num_shards-1], each process holding its own part."""
+    indices = np.arange(num_shards, dtype=np.int32)
+    return jax.make_array_from_callback((num_shards,), shard_sharding(mesh), lambda index: indices[index])
+
+
+def first_shard(tree: Any) -> Any:
+    """Host copy of one shard's slice of every leaf (from this process's own devices)."""
+
+    def take(leaf: jax.Array) -> np.ndarray:
+        local = min(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return np.asarray(local.data[0])
+
+    return jax.tree.map(take, tree)
+
+
+def all_shards(tree: Any) -> Any:
+    """Host copy of every shard of every leaf (single-process runs and tests)."""
+    return jax.tree.map(lambda leaf: np.asarray(jax.device_get(leaf)), tree)
+
+
+def replicas_equal(tree: Any) -> bool:
+    """True when every shard holds bitwise the same values (from this process's view)."""
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            data = np.asarray(shard.data)
+            reference = np.asarray(first_shard(leaf))
+            if not all(np.array_equal(row, reference, equal_nan=True) for row in data):
+                return False
+    return True
+
+
+def params_digest(params: Any) -> float:
+    """float64 sum of |p| over every parameter of one shard."""
+    leaves = jax.tree.leaves(first_shard(params))
+    return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
+
+
+def stack_leaves(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
