@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -111,7 +112,7 @@ class OptionInfo:
 
 
 def _type_name(annotation: Any) -> str:
-    name = str(annotation).replace("typing.", "")
+    name = str(annotation).replace("typing.", "").replace("tuple[int, ...]", "list[int]")
     if name.startswith("Optional[") and name.endswith("]"):
         return name[len("Optional["):-1] + " or null"
     return name
@@ -141,37 +142,66 @@ def help_text() -> str:
     return "\n".join(lines)
 
 
-def _suggest(key: str) -> str:
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _unknown_key_message(key: str) -> str:
     known = [opt.key for opt in options()]
-    sections = sorted({k.split(".")[0] for k in known})
-    close = difflib.get_close_matches(key, known + sections, n=1, cutoff=0.5)
+    if "." not in key and key not in _sections():
+        close = difflib.get_close_matches(key, _sections(), n=1, cutoff=0.5)
+        hint = f"did you mean '{close[0]}'?" if close else f"sections are {', '.join(_sections())}"
+        return f"unknown section '{key}'; {hint}"
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not close and "." in key:
         leaf = key.rsplit(".", 1)[1]
         close = [k for k in known if k.rsplit(".", 1)[1] == leaf][:1]
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown key '{key}'" + (f"; did you mean '{close[0]}'?" if close else "")
 
 
 def _error_from_omegaconf(error: OmegaConfBaseException, source: str) -> ConfigError:
     key = getattr(error, "full_key", None) or "?"
-    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
     if type(error).__name__ == "ConfigKeyError":
-        return ConfigError(f"{source}: unknown key '{key}'{_suggest(key)}")
+        return ConfigError(f"{source}: {_unknown_key_message(key)}")
+    type_names = {opt.key: opt.type_name for opt in options()}
+    if key in type_names:
+        value = getattr(error, "value", None)
+        return ConfigError(f"{source}: {key}={value!r} is invalid: expected {type_names[key]}")
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
     return ConfigError(f"{source}: {key}: {first_line}")
 
 
-def _load_yaml(path: str) -> Any:
+def _check_sections(layer: Any, source: str) -> None:
+    """Top-level entries must be sections holding keys (OmegaConf's own error names no key)."""
+    for name, value in layer.items():
+        if name in _sections() and not isinstance(value, dict):
+            example = options(type(getattr(Config(), name)))[0].key
+            raise ConfigError(
+                f"{source}: '{name}' is a section, not a value ({name}={value!r}); "
+                f"set its keys, e.g. {name}.{example}=..."
+            )
+
+
+def _load_yaml(path: str) -> dict:
     if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
     if os.path.isdir(path):
         raise ConfigError(f"config file is a directory: {path}")
     try:
-        loaded = OmegaConf.load(path)
-    except Exception as error:  # the YAML parser's own errors are many-lined
+        with open(path) as handle:
+            raw = yaml.safe_load(handle)
+    except (yaml.YAMLError, UnicodeDecodeError) as error:  # the parser's own messages are many-lined
         detail = " ".join(str(error).split())[:200]
         raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
-    if loaded is None or not OmegaConf.is_dict(loaded):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, e.g. 'env: {{id: CartPole-v1}}'")
-    return loaded
+    if raw is None:
+        raise ConfigError(f"config file {path} is empty; give at least one section, e.g. 'env: {{id: CartPole-v1}}'")
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections, e.g. 'env: {{id: CartPole-v1}}', "
+            f"not a {type(raw).__name__}"
+        )
+    _check_sections(raw, path)
+    return OmegaConf.load(path)
 
 
 def _parse_overrides(overrides: Iterable[str]) -> Any:
@@ -180,11 +210,15 @@ def _parse_overrides(overrides: Iterable[str]) -> Any:
         key, sep, value = item.partition("=")
         if not sep or not key or key.strip() != key:
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        if not value:
+            raise ConfigError(f"override '{item}' has no value")
         pairs.append(f"{key}={value}")
     try:
-        return OmegaConf.from_dotlist(pairs)
+        layer = OmegaConf.from_dotlist(pairs)
     except OmegaConfBaseException as error:
         raise _error_from_omegaconf(error, "command line") from None
+    _check_sections(OmegaConf.to_container(layer), "command line")
+    return layer
 
 
 def _merge(base: Any, layer: Any, source: str) -> Any:
@@ -207,6 +241,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
 
 def from_dict(values: dict) -> Config:
     """A config from a nested dict of overrides (the Python API), validated."""
+    _check_sections(values, "config")
     merged = _merge(OmegaConf.structured(Config), OmegaConf.create(values), "config")
     config = OmegaConf.to_object(merged)
     validate(config)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 METRIC_FIELDS: dict[str, str] = {
     "update": "updates done so far (1 for the first)",
     "env_steps": "environment steps done so far, all shards together",
-    "wall_seconds": "seconds since training started (compile excluded)",
+    "wall_seconds": "training seconds (compile excluded) at the end of the chunk of updates holding this one",
     "policy_loss": "clipped-surrogate loss, mean over the update's epochs x minibatches",
     "value_loss": "value loss (0.5 x squared error, clipped if ppo.clip_value), same mean",
     "entropy": "policy entropy, same mean",

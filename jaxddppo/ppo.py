@@ -20,7 +20,7 @@ from jaxddppo.config import PPOConfig
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
-from jaxddppo.sharding import Topology, pmean_over_shards, psum_over_shards
+from jaxddppo.sharding import Topology, pmean_over_shards
 
 
 @struct.dataclass
@@ -49,6 +49,7 @@ class UpdateSettings:
     num_epochs: int
     num_minibatches: int
     minibatch_size: int  # per shard
+    num_shards: int
     num_updates: int  # of the whole run: defines the learning-rate schedule
     clip_value: bool
     normalize_advantages: bool
@@ -62,6 +63,7 @@ class UpdateSettings:
             num_epochs=config.num_epochs,
             num_minibatches=config.num_minibatches,
             minibatch_size=topology.minibatch_size_per_shard,
+            num_shards=topology.num_shards,
             num_updates=topology.num_updates,
             clip_value=config.clip_value,
             normalize_advantages=config.normalize_advantages,
@@ -174,39 +176,42 @@ def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> opt
     )
 
 
-def normalize_over_shards(x: jax.Array) -> jax.Array:
-    """(x - mean) / std with mean and std over every shard's samples (equal counts)."""
-    mean = pmean_over_shards(jnp.mean(x))
-    variance = pmean_over_shards(jnp.mean(jnp.square(x - mean)))
-    return (x - mean) / (jnp.sqrt(variance) + 1e-8)
+def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) -> jax.Array:
+    """Advantages of every minibatch, normalised over that global minibatch (all shards).
+
+    `advantages` is this shard's flat [N]; `indices` [E, M, n] picks each epoch's
+    minibatches. The statistics of all E x M minibatches travel in one all-reduce,
+    around a shift common to every shard (the rollout mean) so E[x^2] - E[x]^2
+    does not cancel.
+    """
+    shift = pmean_over_shards(jnp.mean(advantages))
+    centered = advantages[indices] - shift
+    mean, mean_square = pmean_over_shards((jnp.mean(centered, -1), jnp.mean(jnp.square(centered), -1)))
+    std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
+    return (centered - mean[..., None]) / (std[..., None] + 1e-8)
 
 
-def sgd_step(
-    params: Any,
-    opt_state: Any,
-    batch: Batch,
-    apply_fn: Callable,
-    hyperparams: PPOHyperparams,
-    settings: UpdateSettings,
-) -> tuple[Any, Any, LossInfo]:
-    """One minibatch: local gradient, averaged over all shards, one optimizer step."""
-    if settings.normalize_advantages:
-        batch = batch.replace(advantage=normalize_over_shards(batch.advantage))
-    grad_fn = jax.grad(ppo_loss, has_aux=True)
-    grads, info = grad_fn(params, apply_fn, batch, hyperparams, settings.clip_value)
+def shard_gradients(
+    params: Any, minibatch: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool
+) -> tuple[Any, LossInfo]:
+    """Gradient of the global minibatch: each shard's local gradient, averaged over all shards.
+
+    `jax.grad` is taken of the local loss and the gradients are then averaged:
+    under `shard_parallel` (pmap semantics) grad of a pmean'd loss would be local.
+    The returned loss info is this shard's own (average it over shards once per update).
+    """
+    grads, info = jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value)
     grads = pmean_over_shards(grads)
-    info = pmean_over_shards(info).replace(grad_norm=optax.global_norm(grads))
-    updates, opt_state = make_optimizer(hyperparams, settings).update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, info
+    return grads, info.replace(grad_norm=optax.tree.norm(grads))
 
 
-def split_minibatches(batch: Batch, key: jax.Array, settings: UpdateSettings) -> Batch:
-    """A fresh permutation of the flat batch, split into [num_minibatches, minibatch_size, ...]."""
-    permutation = jax.random.permutation(key, settings.num_minibatches * settings.minibatch_size)
-    return jax.tree.map(
-        lambda x: x[permutation].reshape((settings.num_minibatches, settings.minibatch_size) + x.shape[1:]),
-        batch,
+def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
+    """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
+    num_samples = settings.num_minibatches * settings.minibatch_size
+    permutations = jax.vmap(lambda k: jax.random.permutation(k, num_samples))(
+        jax.random.split(key, settings.num_epochs)
     )
+    return permutations.reshape(settings.num_epochs, settings.num_minibatches, settings.minibatch_size)
 
 
 def run_epochs(
@@ -218,18 +223,26 @@ def run_epochs(
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
 ) -> tuple[Any, Any, LossInfo]:
-    """`num_epochs` passes of minibatch SGD over `batch`; returns mean loss info."""
+    """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info."""
+    indices = minibatch_indices(key, settings)
+    if settings.normalize_advantages:
+        advantages = normalize_minibatch_advantages(batch.advantage, indices)
+    else:
+        advantages = batch.advantage[indices]
+    optimizer = make_optimizer(hyperparams, settings)
 
-    def minibatch_step(carry: tuple[Any, Any], minibatch: Batch) -> tuple[tuple[Any, Any], LossInfo]:
-        new_params, new_opt_state, info = sgd_step(*carry, minibatch, apply_fn, hyperparams, settings)
-        return (new_params, new_opt_state), info
+    def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
+        params, opt_state = carry
+        index, advantage = xs
+        minibatch = jax.tree.map(lambda x: x[index], batch).replace(advantage=advantage)
+        grads, info = shard_gradients(params, minibatch, apply_fn, hyperparams, settings.clip_value)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), info
 
-    def epoch(carry: tuple[Any, Any], epoch_key: jax.Array) -> tuple[tuple[Any, Any], LossInfo]:
-        return jax.lax.scan(minibatch_step, carry, split_minibatches(batch, epoch_key, settings))
+    def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
+        return jax.lax.scan(minibatch_step, carry, xs)
 
-    (params, opt_state), infos = jax.lax.scan(
-        epoch, (params, opt_state), jax.random.split(key, settings.num_epochs)
-    )
+    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), (indices, advantages))
     return params, opt_state, jax.tree.map(jnp.mean, infos)
 
 
@@ -246,22 +259,22 @@ def flatten_rollout(transitions: Transition, advantages: jax.Array) -> Batch:
     )
 
 
-def explained_variance_over_shards(values: jax.Array, targets: jax.Array) -> jax.Array:
-    """1 - Var[target - value] / Var[target], moments over all shards."""
+@struct.dataclass
+class _ShardTotals:
+    """Per-shard statistics averaged over shards in one all-reduce at the end of an update."""
 
-    def variance(x: jax.Array) -> jax.Array:
-        mean = pmean_over_shards(jnp.mean(x))
-        return pmean_over_shards(jnp.mean(jnp.square(x - mean)))
+    info: LossInfo
+    target_moments: jax.Array  # [2]: E[t], E[t^2] of the value targets
+    residual_moments: jax.Array  # [2]: the same of target - value
+    episodes: EpisodeStats
 
-    return 1.0 - variance(targets - values) / (variance(targets) + 1e-8)
+
+def _variance(moments: jax.Array) -> jax.Array:
+    return jnp.maximum(moments[1] - jnp.square(moments[0]), 0.0)
 
 
-def episode_means(stats: EpisodeStats) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Mean return and length over the episodes that ended on any shard (NaN if none)."""
-    total = psum_over_shards(stats)
-    nan_if_none = jnp.where(total.count > 0, 1.0, jnp.nan)
-    count = jnp.maximum(total.count, 1.0)
-    return total.return_sum / count * nan_if_none, total.length_sum / count * nan_if_none, total.count
+def _moments(x: jax.Array) -> jax.Array:
+    return jnp.stack([jnp.mean(x), jnp.mean(jnp.square(x))])
 
 
 def make_update(
@@ -284,21 +297,30 @@ def make_update(
         params, opt_state, info = run_epochs(
             state.params, state.opt_state, batch, key_epochs, network.apply, hyperparams, settings
         )
-        return_mean, length_mean, episodes = episode_means(episode_stats)
+        # Means over shards of per-shard means are global means: every shard has equally many samples.
+        totals = pmean_over_shards(_ShardTotals(
+            info=info,
+            target_moments=_moments(batch.target),
+            residual_moments=_moments(batch.target - batch.value),
+            episodes=episode_stats,
+        ))
+        episodes = totals.episodes
+        nan_if_none = jnp.where(episodes.count > 0, 1.0, jnp.nan)
+        count = jnp.maximum(episodes.count, 1e-30)
         metrics = UpdateMetrics(
-            policy_loss=info.policy_loss,
-            value_loss=info.value_loss,
-            entropy=info.entropy,
-            approx_kl=info.approx_kl,
-            clip_fraction=info.clip_fraction,
-            grad_norm=info.grad_norm,
-            explained_variance=explained_variance_over_shards(batch.value, batch.target),
+            policy_loss=totals.info.policy_loss,
+            value_loss=totals.info.value_loss,
+            entropy=totals.info.entropy,
+            approx_kl=totals.info.approx_kl,
+            clip_fraction=totals.info.clip_fraction,
+            grad_norm=totals.info.grad_norm,
+            explained_variance=1.0 - _variance(totals.residual_moments) / (_variance(totals.target_moments) + 1e-8),
             learning_rate=learning_rate_at(
                 state.update_index * settings.sgd_steps_per_update, hyperparams, settings
             ),
-            episode_return_mean=return_mean,
-            episode_length_mean=length_mean,
-            episodes_completed=episodes,
+            episode_return_mean=episodes.return_sum / count * nan_if_none,
+            episode_length_mean=episodes.length_sum / count * nan_if_none,
+            episodes_completed=jnp.round(episodes.count * settings.num_shards),
         )
         new_state = state.replace(
             params=params, opt_state=opt_state, rollout=rollout, update_index=state.update_index + 1

@@ -14,10 +14,9 @@ Other modules never name an axis: they call `pmean_over_shards` and friends.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -104,9 +103,9 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
     )
 
 
-def make_mesh() -> Mesh:
-    """A one-axis mesh over every device of every process."""
-    return Mesh(np.asarray(jax.devices()), (DEVICE_AXIS,))
+def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A one-axis mesh over `devices` (default: every device of every process)."""
+    return Mesh(np.asarray(jax.devices() if devices is None else devices), (DEVICE_AXIS,))
 
 
 def shard_sharding(mesh: Mesh) -> NamedSharding:
@@ -140,7 +139,9 @@ def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, .
         out_specs=spec,
         check_vma=False,
     )
-    return jax.jit(mapped, donate_argnums=donate_argnums)
+    # Explicit output shardings: on a one-device mesh XLA may otherwise report
+    # P() for some outputs, and feeding them back in would recompile.
+    return jax.jit(mapped, out_shardings=shard_sharding(mesh), donate_argnums=donate_argnums)
 
 
 def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
@@ -179,7 +180,3 @@ def params_digest(params: Any) -> float:
     """float64 sum of |p| over every parameter of one shard."""
     leaves = jax.tree.leaves(first_shard(params))
     return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
-
-
-def stack_leaves(trees: list[Any]) -> Any:
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)

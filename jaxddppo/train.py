@@ -8,7 +8,6 @@ write the summary at the end.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -16,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxddppo import sharding
@@ -71,15 +69,19 @@ class Experiment:
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
 
 
-def build(config: Config) -> Experiment:
-    """Validate everything that needs the environment and the devices; compile nothing."""
+def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
+    """Validate everything that needs the environment and the devices; compile nothing.
+
+    `devices` defaults to every device of every process.
+    """
     env = make_env(config.env.id)
-    topology = sharding.make_topology(config)
+    mesh = sharding.make_mesh(devices)
+    topology = sharding.make_topology(config, num_devices=mesh.devices.size)
     network = make_actor_critic(config.network, env.spec)
     return Experiment(
         config=config,
         topology=topology,
-        mesh=sharding.make_mesh(),
+        mesh=mesh,
         env=env,
         network=network,
         settings=UpdateSettings.from_config(config.ppo, topology),
@@ -96,20 +98,32 @@ class TrainResult:
     run_dir: str
 
 
-def default_run_dir(config: Config) -> str:
-    return os.path.join("runs", f"{config.env.id}-{time.strftime('%Y%m%d-%H%M%S')}")
+def claim_run_dir(path: Optional[str], env_id: str) -> str:
+    """Create the run directory and claim it by creating metrics.jsonl exclusively.
 
-
-def prepare_run_dir(path: str) -> None:
-    """Create the run directory; refuse one that already holds a run (nothing is overwritten)."""
-    if os.path.exists(os.path.join(path, "metrics.jsonl")):
-        raise ConfigError(f"run.dir={path!r} already holds a run (metrics.jsonl); choose another run.dir")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"run.dir={path!r} exists and is not a directory")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise ConfigError(f"run.dir={path!r} cannot be created: {error.strerror}") from None
+    An explicit `run.dir` that already holds a run is refused (nothing is
+    overwritten, even by two runs started together); the default
+    `runs/<env>-<timestamp>` takes a numbered suffix instead.
+    """
+    explicit = path is not None
+    base = path if explicit else os.path.join("runs", f"{env_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    candidate, attempt = base, 1
+    while True:
+        if os.path.exists(candidate) and not os.path.isdir(candidate):
+            raise ConfigError(f"run.dir={candidate!r} exists and is not a directory")
+        try:
+            os.makedirs(candidate, exist_ok=True)
+            open(os.path.join(candidate, "metrics.jsonl"), "x").close()
+            return candidate
+        except FileExistsError:
+            if explicit:
+                raise ConfigError(
+                    f"run.dir={candidate!r} already holds a run (metrics.jsonl); choose another run.dir"
+                ) from None
+            attempt += 1
+            candidate = f"{base}-{attempt}"
+        except OSError as error:
+            raise ConfigError(f"run.dir={candidate!r} cannot be created: {error.strerror}") from None
 
 
 def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
@@ -145,15 +159,14 @@ def chunk_sizes(num_updates: int, updates_per_chunk: int) -> list[int]:
     return [updates_per_chunk] * full + ([remainder] if remainder else [])
 
 
-def run(config: Config) -> TrainResult:
+def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
     """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir."""
-    experiment = build(config)
+    experiment = build(config, devices)
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
-    run_dir = config.run.dir or default_run_dir(config)
     is_writer = jax.process_index() == 0
+    run_dir = claim_run_dir(config.run.dir, config.env.id) if is_writer else (config.run.dir or "")
     if is_writer:
-        prepare_run_dir(run_dir)
         with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
             handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
     progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)

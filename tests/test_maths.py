@@ -1,0 +1,600 @@
+"""The maths of the trainer against independent float64 NumPy references.
+
+* `rollout.gae` against a plain backward loop, and two hand-worked cases.
+* `ppo.ppo_loss` (value, LossInfo and gradient) against a closed form on a tiny
+  batch whose "network" is its own parameters.
+* `networks.Categorical` / `DiagGaussian` against closed forms.
+* `envs.BatchedEnv`: termination vs truncation, final_obs, episode statistics,
+  action clipping, unknown ids.
+
+JAX computes in float32 and the references in float64, so comparisons use
+rtol=1e-5, atol=1e-5 unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxddppo.config import ConfigError
+from jaxddppo.envs import make_env
+from jaxddppo.networks import Categorical, DiagGaussian
+from jaxddppo.ppo import Batch, LossInfo, PPOHyperparams, ppo_loss
+from jaxddppo.rollout import gae
+
+RTOL = 1e-5
+ATOL = 1e-5
+LOG_2PI = math.log(2.0 * math.pi)
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def gae_reference(rewards, values, next_values, terminated, truncated, gamma, lam):
+    """Float64 backward loop over t; every argument is [T, B]."""
+    rewards, values, next_values = (np.asarray(x, np.float64) for x in (rewards, values, next_values))
+    terminated = np.asarray(terminated, bool)
+    truncated = np.asarray(truncated, bool)
+    num_steps = rewards.shape[0]
+    advantages = np.zeros_like(rewards)
+    next_advantage = np.zeros_like(rewards[0])  # A_T = 0 beyond the last step
+    for t in reversed(range(num_steps)):
+        not_term = 1.0 - terminated[t]
+        not_trunc = 1.0 - truncated[t]
+        delta = rewards[t] + gamma * next_values[t] * not_term - values[t]
+        next_advantage = delta + gamma * lam * not_term * not_trunc * next_advantage
+        advantages[t] = next_advantage
+    return advantages
+
+
+def random_gae_inputs(seed: int, num_steps: int = 7, num_envs: int = 5):
+    rng = np.random.default_rng(seed)
+    rewards = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    next_values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
+    terminated = rng.random((num_steps, num_envs)) < 0.2
+    # envs.py guarantees truncated excludes terminated: draw them disjoint.
+    truncated = (rng.random((num_steps, num_envs)) < 0.25) & ~terminated
+    # The draw must exercise every case, and a step followed by another in the same column.
+    assert terminated[:-1].any() and truncated[:-1].any() and (~terminated & ~truncated)[:-1].any()
+    assert not (terminated & truncated).any()
+    return rewards, values, next_values, terminated, truncated
+
+
+@pytest.mark.parametrize("gamma, lam", [(0.99, 0.95), (0.9, 0.8), (1.0, 1.0), (0.97, 0.0)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gae_matches_float64_loop(seed, gamma, lam):
+    rewards, values, next_values, terminated, truncated = random_gae_inputs(seed)
+    expected = gae_reference(rewards, values, next_values, terminated, truncated, gamma, lam)
+    args = tuple(jnp.asarray(x) for x in (rewards, values, next_values, terminated, truncated))
+
+    eager = gae(*args, gamma, lam)
+    # Jitted, with gamma and lambda traced as float32 scalars (as PPOHyperparams passes them).
+    jitted = jax.jit(gae)(*args, jnp.float32(gamma), jnp.float32(lam))
+
+    assert eager.shape == (7, 5) and eager.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(eager), expected, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(jitted), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_gae_lambda_zero_is_one_step_td_error():
+    rewards, values, next_values, terminated, truncated = random_gae_inputs(3)
+    out = gae(*(jnp.asarray(x) for x in (rewards, values, next_values, terminated, truncated)), 0.9, 0.0)
+    td = rewards + 0.9 * next_values * (1.0 - terminated) - values
+    np.testing.assert_allclose(np.asarray(out), td, rtol=RTOL, atol=ATOL)
+
+
+# Hand-worked, T=3, B=1, gamma = lambda = 0.5 (so gamma * lambda = 0.25); all numbers exact in binary.
+#
+# Case "trunc_then_term": flags [neither, truncated, terminated]
+#   t=2 terminated: r=2, v=1, nv=8 -> delta2 = 2 + 0 (no bootstrap) - 1 = 1;  A2 = 1   (end of rollout)
+#   t=1 truncated:  r=1, v=2, nv=4 -> delta1 = 1 + 0.5*4 (bootstraps) - 2 = 1; A1 = 1 + 0 * A2 = 1  (trace stops)
+#   t=0 neither:    r=1, v=1, nv=2 -> delta0 = 1 + 0.5*2 - 1 = 1;          A0 = 1 + 0.25 * A1 = 1.25
+#   (Bootstrapping the terminated step would give A2 = 5; not bootstrapping the truncated one
+#    gives delta1 = -1; not stopping the trace at truncation gives A1 = 1.25.)
+#
+# Case "term_then_trunc": flags [neither, terminated, truncated]
+#   t=2 truncated:  r=1, v=2, nv=4 -> delta2 = 1 + 2 - 2 = 1;  A2 = 1
+#   t=1 terminated: r=2, v=1, nv=8 -> delta1 = 2 + 0 - 1 = 1;  A1 = 1 + 0 * A2 = 1  (trace stops)
+#   t=0 neither:    r=1, v=1, nv=2 -> delta0 = 1;              A0 = 1 + 0.25 * 1 = 1.25
+#   (Not stopping the trace at termination gives A1 = 1.25, A0 = 1.3125.)
+HAND_CASES = {
+    "trunc_then_term": {
+        "rewards": [1.0, 1.0, 2.0], "values": [1.0, 2.0, 1.0], "next_values": [2.0, 4.0, 8.0],
+        "terminated": [False, False, True], "truncated": [False, True, False], "expected": [1.25, 1.0, 1.0],
+    },
+    "term_then_trunc": {
+        "rewards": [1.0, 2.0, 1.0], "values": [1.0, 1.0, 2.0], "next_values": [2.0, 8.0, 4.0],
+        "terminated": [False, True, False], "truncated": [False, False, True], "expected": [1.25, 1.0, 1.0],
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(HAND_CASES))
+def test_gae_hand_worked(name):
+    case = HAND_CASES[name]
+    column = lambda key, dtype: jnp.asarray(case[key], dtype)[:, None]
+    args = (
+        column("rewards", jnp.float32), column("values", jnp.float32), column("next_values", jnp.float32),
+        column("terminated", bool), column("truncated", bool),
+    )
+    expected = np.asarray(case["expected"])[:, None]
+    np.testing.assert_allclose(np.asarray(gae(*args, 0.5, 0.5)), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(gae)(*args, 0.5, 0.5)), expected, rtol=0, atol=1e-6)
+    # The independent loop agrees with the hand-worked numbers too.
+    ref = gae_reference(*(np.asarray(a) for a in args), 0.5, 0.5)
+    np.testing.assert_allclose(ref, expected, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- PPO loss
+
+CLIP_EPS = 0.2
+VF_COEF = 0.7
+ENT_COEF = 0.03
+
+
+def hyperparams() -> PPOHyperparams:
+    return PPOHyperparams(
+        learning_rate=jnp.float32(3e-4),
+        gamma=jnp.float32(0.99),
+        gae_lambda=jnp.float32(0.95),
+        clip_eps=jnp.float32(CLIP_EPS),
+        vf_coef=jnp.float32(VF_COEF),
+        ent_coef=jnp.float32(ENT_COEF),
+        max_grad_norm=jnp.float32(0.5),
+    )
+
+
+def tabular_apply(params, obs):
+    """A 'network' whose outputs are its parameters: one row of logits and one value per sample."""
+    del obs
+    return Categorical(params["logits"]), params["values"]
+
+
+def log_softmax64(logits):
+    logits = np.asarray(logits, np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def make_loss_problem():
+    """N=8 samples, A=3 actions; each sample's ratio and advantage sign is chosen on purpose.
+
+    eps = 0.2. (ratio, sign of A) per sample:
+      0: 1.5  +  clipped above, surrogate flat (no policy gradient)
+      1: 1.5  -  above the range but unclipped branch is the min (gradient flows)
+      2: 0.6  +  below the range, unclipped branch is the min (gradient flows)
+      3: 0.6  -  clipped below, flat
+      4: 1.05 +  inside
+      5: 0.95 -  inside
+      6: 1.1  -  inside
+      7: 0.75 +  below, unclipped (gradient flows)
+    Value offsets v - v_old and targets (relative to v_old), eps = 0.2:
+      0: +0.5, t=+1.0  -> clipped error (0.8^2) > unclipped (0.5^2): flat
+      1: +0.5, t=-0.3  -> unclipped (0.8^2) wins: gradient
+      2: -0.5, t=-1.0  -> clipped wins: flat
+      3: -0.5, t=+0.3  -> unclipped wins: gradient
+      4: +0.1, t=+0.4  -> inside: both equal
+      5: -0.05, t=-0.6 -> inside
+      6: +0.3, t=+0.27 -> clipped (0.07^2) > unclipped (0.03^2): flat
+      7: -0.3, t=-0.1  -> unclipped (0.2^2) > clipped (0.1^2): gradient
+    """
+    rng = np.random.default_rng(42)
+    n, a = 8, 3
+    logits = rng.normal(size=(n, a)).astype(np.float32)
+    actions = np.array([0, 1, 2, 0, 1, 2, 0, 1], np.int32)
+    ratios = np.array([1.5, 1.5, 0.6, 0.6, 1.05, 0.95, 1.1, 0.75])  # mean(r) != 1
+    advantages = np.array([1.3, -0.7, 0.9, -1.1, 0.4, -0.8, -0.5, 2.0], np.float32)
+    new_log_prob = log_softmax64(logits)[np.arange(n), actions]
+    old_log_prob = (new_log_prob - np.log(ratios)).astype(np.float32)
+
+    old_values = rng.normal(size=n).astype(np.float32)
+    offsets = np.array([0.5, 0.5, -0.5, -0.5, 0.1, -0.05, 0.3, -0.3])
+    target_offsets = np.array([1.0, -0.3, -1.0, 0.3, 0.4, -0.6, 0.27, -0.1])
+    values = (old_values + offsets).astype(np.float32)
+    targets = (old_values + target_offsets).astype(np.float32)
+
+    params = {"logits": logits, "values": values}
+    batch = {
+        "obs": np.zeros((n, 1), np.float32),
+        "action": actions,
+        "log_prob": old_log_prob,
+        "value": old_values,
+        "advantage": advantages,
+        "target": targets,
+    }
+    return params, batch
+
+
+def loss_reference(logits, values, batch, clip_value):
+    """Float64 PPO loss and its parts."""
+    n = logits.shape[0]
+    log_probs = log_softmax64(logits)
+    probs = np.exp(log_probs)
+    log_prob = log_probs[np.arange(n), batch["action"]]
+    log_ratio = log_prob - np.asarray(batch["log_prob"], np.float64)
+    ratio = np.exp(log_ratio)
+    adv = np.asarray(batch["advantage"], np.float64)
+    policy_loss = -np.mean(np.minimum(ratio * adv, np.clip(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS) * adv))
+    target = np.asarray(batch["target"], np.float64)
+    old_value = np.asarray(batch["value"], np.float64)
+    error = (values - target) ** 2
+    if clip_value:
+        clipped = old_value + np.clip(values - old_value, -CLIP_EPS, CLIP_EPS)
+        error = np.maximum(error, (clipped - target) ** 2)
+    value_loss = 0.5 * np.mean(error)
+    entropy = np.mean(-np.sum(probs * log_probs, axis=-1))
+    loss = policy_loss + VF_COEF * value_loss - ENT_COEF * entropy
+    parts = {
+        "policy_loss": policy_loss,
+        "value_loss": value_loss,
+        "entropy": entropy,
+        "approx_kl": np.mean((ratio - 1) - log_ratio),
+        "clip_fraction": np.mean(np.abs(ratio - 1) > CLIP_EPS),
+    }
+    return loss, parts
+
+
+def grad_reference(logits, values, batch, clip_value):
+    """Closed-form float64 gradient of `loss_reference` w.r.t. logits and values."""
+    n, num_actions = logits.shape
+    log_probs = log_softmax64(logits)
+    probs = np.exp(log_probs)
+    actions = batch["action"]
+    ratio = np.exp(log_probs[np.arange(n), actions] - np.asarray(batch["log_prob"], np.float64))
+    adv = np.asarray(batch["advantage"], np.float64)
+    clipped_ratio = np.clip(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS)
+    # The unclipped branch carries the gradient where it is the min (inside the range both coincide).
+    unclipped_active = (np.abs(ratio - 1) <= CLIP_EPS) | (ratio * adv < clipped_ratio * adv)
+    d_log_prob = -ratio * adv * unclipped_active / n  # d policy_loss / d log pi(a_i)
+    onehot = np.eye(num_actions)[actions]
+    grad_logits = d_log_prob[:, None] * (onehot - probs)
+    entropy_rows = -np.sum(probs * log_probs, axis=-1)
+    d_entropy = -probs * (log_probs + entropy_rows[:, None])  # dH_i / dz_ij
+    grad_logits += -ENT_COEF * d_entropy / n
+
+    target = np.asarray(batch["target"], np.float64)
+    old_value = np.asarray(batch["value"], np.float64)
+    value_active = np.ones(n, bool)
+    if clip_value:
+        delta = values - old_value
+        clipped = old_value + np.clip(delta, -CLIP_EPS, CLIP_EPS)
+        clipped_wins = (clipped - target) ** 2 > (values - target) ** 2
+        value_active = ~(clipped_wins & (np.abs(delta) > CLIP_EPS))
+    grad_values = VF_COEF * (values - target) * value_active / n
+    return grad_logits, grad_values
+
+
+def finite_difference(fn, x, h=1e-6):
+    grad = np.zeros_like(x)
+    for index in np.ndindex(x.shape):
+        up, down = x.copy(), x.copy()
+        up[index] += h
+        down[index] -= h
+        grad[index] = (fn(up) - fn(down)) / (2 * h)
+    return grad
+
+
+@pytest.mark.parametrize("clip_value", [False, True])
+def test_ppo_loss_and_gradient(clip_value):
+    params, batch_np = make_loss_problem()
+    logits64 = params["logits"].astype(np.float64)
+    values64 = params["values"].astype(np.float64)
+
+    # The problem covers what it claims to.
+    ratio = np.exp(log_softmax64(logits64)[np.arange(8), batch_np["action"]] - batch_np["log_prob"])
+    assert (ratio > 1 + CLIP_EPS + 0.05).sum() >= 2 and (ratio < 1 - CLIP_EPS - 0.05).sum() >= 2
+    assert (np.abs(ratio - 1) < CLIP_EPS - 0.05).sum() >= 2
+    assert (batch_np["advantage"] > 0).any() and (batch_np["advantage"] < 0).any()
+    clipped_ratio = np.clip(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS)
+    flat = clipped_ratio * batch_np["advantage"] < ratio * batch_np["advantage"]  # clipped branch is the min
+    np.testing.assert_array_equal(np.flatnonzero(flat), [0, 3])
+
+    ref_loss, ref_parts = loss_reference(logits64, values64, batch_np, clip_value)
+    ref_grad_logits, ref_grad_values = grad_reference(logits64, values64, batch_np, clip_value)
+
+    # The closed-form gradient is checked against a central difference of the float64 loss.
+    fd_logits = finite_difference(lambda z: loss_reference(z, values64, batch_np, clip_value)[0], logits64)
+    fd_values = finite_difference(lambda v: loss_reference(logits64, v, batch_np, clip_value)[0], values64)
+    np.testing.assert_allclose(ref_grad_logits, fd_logits, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(ref_grad_values, fd_values, rtol=1e-6, atol=1e-8)
+    # The clipping cases matter: some value gradients are exactly zero, some are not.
+    if clip_value:
+        np.testing.assert_array_equal(np.flatnonzero(ref_grad_values == 0), [0, 2, 6])
+    else:
+        assert (ref_grad_values != 0).all()
+
+    jparams = jax.tree.map(jnp.asarray, params)
+    batch = Batch(**{k: jnp.asarray(v) for k, v in batch_np.items()})
+    hp = hyperparams()
+    loss_fn = functools.partial(ppo_loss, apply_fn=tabular_apply, hyperparams=hp, clip_value=clip_value)
+
+    # Jitted, as in sgd_step (the un-jitted call is checked in the next test).
+    value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, batch=b), has_aux=True))
+    (loss, info), grads = value_and_grad(jparams, batch)
+    assert isinstance(info, LossInfo)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL, atol=ATOL)
+    for name, expected in ref_parts.items():
+        np.testing.assert_allclose(float(getattr(info, name)), expected, rtol=RTOL, atol=ATOL, err_msg=name)
+    assert float(info.grad_norm) == 0.0
+    # Gradients: float32 against float64, rtol 1e-4, atol 1e-6 (entries are O(0.01 - 0.1)).
+    np.testing.assert_allclose(np.asarray(grads["logits"]), ref_grad_logits, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads["values"]), ref_grad_values, rtol=1e-4, atol=1e-6)
+
+    # clip_fraction counts samples 0-3 and 7 (|r - 1| > 0.2): 5 of 8.
+    assert ref_parts["clip_fraction"] == 5 / 8
+
+
+def test_ppo_loss_unjitted_call():
+    """A plain (eager, un-differentiated) call gives the same loss and parts."""
+    params, batch_np = make_loss_problem()
+    batch = Batch(**{k: jnp.asarray(v) for k, v in batch_np.items()})
+    loss, info = ppo_loss(jax.tree.map(jnp.asarray, params), tabular_apply, batch, hyperparams(), True)
+    ref_loss, ref_parts = loss_reference(
+        params["logits"].astype(np.float64), params["values"].astype(np.float64), batch_np, True
+    )
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL, atol=ATOL)
+    for name, expected in ref_parts.items():
+        np.testing.assert_allclose(float(getattr(info, name)), expected, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+# --------------------------------------------------------------------------- distributions
+
+
+def test_categorical_log_prob_entropy_mode():
+    rng = np.random.default_rng(7)
+    logits = rng.normal(scale=2.0, size=(4, 6, 5)).astype(np.float32)  # any leading batch shape
+    actions = rng.integers(0, 5, size=(4, 6)).astype(np.int32)
+    dist = Categorical(jnp.asarray(logits))
+
+    log_probs = log_softmax64(logits)
+    expected_log_prob = np.take_along_axis(log_probs, actions[..., None], axis=-1)[..., 0]
+    expected_entropy = -np.sum(np.exp(log_probs) * log_probs, axis=-1)
+
+    np.testing.assert_allclose(np.asarray(dist.log_prob(jnp.asarray(actions))), expected_log_prob,
+                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(dist.entropy()), expected_entropy, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(np.asarray(dist.mode()), np.argmax(logits, axis=-1))
+    # Actions stored as floats (e.g. in a generic buffer) still index correctly.
+    np.testing.assert_allclose(np.asarray(dist.log_prob(jnp.asarray(actions, jnp.float32))),
+                               expected_log_prob, rtol=RTOL, atol=ATOL)
+
+
+def test_categorical_extreme_logits_are_finite():
+    dist = Categorical(jnp.asarray([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]]))
+    np.testing.assert_allclose(np.asarray(dist.entropy()), [0.0, math.log(3.0)], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(dist.log_prob(jnp.asarray([0, 2]))), [0.0, -math.log(3.0)],
+                               rtol=RTOL, atol=ATOL)
+
+
+def test_categorical_sample_frequencies():
+    n = 20000
+    logits = np.array([0.5, -1.0, 1.2, 0.0], np.float32)
+    probs = np.exp(log_softmax64(logits))
+    samples = np.asarray(Categorical(jnp.broadcast_to(jnp.asarray(logits), (n, 4))).sample(jax.random.key(0)))
+    assert samples.shape == (n,)
+    assert samples.min() >= 0 and samples.max() <= 3
+    freqs = np.bincount(samples, minlength=4) / n
+    standard_error = np.sqrt(probs * (1 - probs) / n)
+    assert np.all(np.abs(freqs - probs) < 5 * standard_error), (freqs, probs)
+
+
+def gaussian_reference(mean, log_std, action):
+    mean, action = np.asarray(mean, np.float64), np.asarray(action, np.float64)
+    log_std = np.broadcast_to(np.asarray(log_std, np.float64), mean.shape)
+    sigma = np.exp(log_std)
+    log_prob = np.sum(-0.5 * ((action - mean) / sigma) ** 2 - log_std - 0.5 * LOG_2PI, axis=-1)
+    entropy = np.sum(log_std + 0.5 * (1.0 + LOG_2PI), axis=-1)
+    return log_prob, entropy
+
+
+def test_diag_gaussian_log_prob_entropy_mode_with_broadcast_log_std():
+    rng = np.random.default_rng(11)
+    n, d = 9, 3
+    mean = rng.normal(size=(n, d)).astype(np.float32)
+    log_std = np.array([-1.0, 0.0, 0.7], np.float32)  # state-independent, [D]
+    action = (mean + rng.normal(size=(n, d)) * 2.0).astype(np.float32)
+    dist = DiagGaussian(jnp.asarray(mean), jnp.asarray(log_std))
+    expected_log_prob, expected_entropy = gaussian_reference(mean, log_std, action)
+
+    log_prob = np.asarray(dist.log_prob(jnp.asarray(action)))
+    entropy = np.asarray(dist.entropy())
+    assert log_prob.shape == (n,) and entropy.shape == (n,)
+    np.testing.assert_allclose(log_prob, expected_log_prob, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(entropy, expected_entropy, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(np.asarray(dist.mode()), mean)
+
+    # A state-dependent log_std of the full shape gives the same numbers.
+    full = DiagGaussian(jnp.asarray(mean), jnp.broadcast_to(jnp.asarray(log_std), (n, d)))
+    np.testing.assert_allclose(np.asarray(full.log_prob(jnp.asarray(action))), expected_log_prob,
+                               rtol=RTOL, atol=ATOL)
+    # And under jit.
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda g, a: g.log_prob(a))(dist, jnp.asarray(action))),
+                               expected_log_prob, rtol=RTOL, atol=ATOL)
+
+
+def test_diag_gaussian_sample_statistics():
+    n = 20000
+    mu = np.array([0.3, -2.0, 5.0], np.float32)
+    log_std = np.array([-1.0, 0.0, 0.7], np.float32)
+    sigma = np.exp(log_std.astype(np.float64))
+    dist = DiagGaussian(jnp.broadcast_to(jnp.asarray(mu), (n, 3)), jnp.asarray(log_std))
+    samples = np.asarray(dist.sample(jax.random.key(1)), np.float64)
+    assert samples.shape == (n, 3)
+    assert np.all(np.abs(samples.mean(axis=0) - mu) < 5 * sigma / np.sqrt(n))
+    # Standard error of a sample std is about sigma / sqrt(2 n).
+    assert np.all(np.abs(samples.std(axis=0) - sigma) < 5 * sigma / np.sqrt(2 * n))
+
+
+# --------------------------------------------------------------------------- environments
+
+CARTPOLE_X_THRESHOLD = 2.4
+CARTPOLE_THETA_THRESHOLD = 12 * 2 * math.pi / 360
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _scan_steps(env, state, action, key, num_steps):
+    """`num_steps` steps of `env` from `state` with a fixed action; per-step (StepResult, EpisodeState)."""
+
+    def one_step(state, step_key):
+        new_state, result = env.step(step_key, state, action)
+        return new_state, (result, new_state)
+
+    _, out = jax.lax.scan(one_step, state, jax.random.split(key, num_steps))
+    return out
+
+
+def run_steps(env, state, action_value, num_steps, seed=0):
+    """Steps a batch with a constant action; a list over steps of (StepResult, EpisodeState after it)."""
+    num_envs = state.episode_length.shape[0]
+    action = jnp.full((num_envs,), action_value, jnp.int32)
+    results, states = jax.device_get(_scan_steps(env, state, action, jax.random.key(seed), num_steps))
+    take = lambda t: lambda x: x[t]
+    return [(jax.tree.map(take(t), results), jax.tree.map(take(t), states)) for t in range(num_steps)]
+
+
+TIME_LIMIT = 5
+
+
+@pytest.fixture(scope="module")
+def short_cartpole():
+    """CartPole whose gymnax time limit is TIME_LIMIT steps instead of 500.
+
+    BatchedEnv has no public knob for it, so this replaces its private gymnax params.
+    Shared by the tests below so that its step is compiled once.
+    """
+    env = make_env("CartPole-v1")
+    env._params = env._params.replace(max_steps_in_episode=TIME_LIMIT)
+    return env
+
+
+def test_cartpole_termination_final_obs_and_episode_stats():
+    num_envs, num_steps = 8, 40
+    env = make_env("CartPole-v1")
+    assert env.spec.discrete and env.spec.num_actions == 2 and env.spec.obs_shape == (4,)
+    obs, state = env.reset(jax.random.key(0), num_envs)
+    assert obs.shape == (num_envs, 4) and obs.dtype == jnp.float32
+    history = run_steps(env, state, 1, num_steps)
+
+    counter = np.zeros(num_envs, np.int64)  # length of the running episode, by our own count
+    terminations = 0
+    for result, new_state in history:
+        counter += 1
+        terminated = np.asarray(result.terminated)
+        truncated = np.asarray(result.truncated)
+        done = terminated | truncated
+        assert terminated.dtype == bool and truncated.dtype == bool
+        assert not (terminated & truncated).any()
+        assert not truncated.any()  # 40 steps is far below the 500-step limit
+        final_obs = np.asarray(result.final_obs)
+        next_obs = np.asarray(result.obs)
+        np.testing.assert_array_equal(final_obs[~done], next_obs[~done])
+        np.testing.assert_array_equal(np.asarray(result.reward), np.ones(num_envs, np.float32))
+        # Where an episode ended, final_obs is past a threshold and the next obs is a fresh reset.
+        if terminated.any():
+            terminations += terminated.sum()
+            x, theta = final_obs[terminated, 0], final_obs[terminated, 2]
+            assert np.all((np.abs(x) > CARTPOLE_X_THRESHOLD) | (np.abs(theta) > CARTPOLE_THETA_THRESHOLD))
+            assert np.all(np.abs(next_obs[terminated]) <= 0.05)
+        # Episode stats: reward is 1 a step, so return == length == our count where it ended, 0 elsewhere.
+        np.testing.assert_array_equal(np.asarray(result.episode_length), np.where(done, counter, 0))
+        np.testing.assert_array_equal(np.asarray(result.episode_return), np.where(done, counter, 0.0))
+        counter[done] = 0
+        # The running counters restart where an episode ended.
+        np.testing.assert_array_equal(np.asarray(new_state.episode_length), counter)
+        np.testing.assert_array_equal(np.asarray(new_state.episode_return), counter.astype(np.float32))
+    assert terminations >= num_envs  # every env fell at least once under a constant push
+
+
+def test_cartpole_truncation_bootstrap_obs_and_counters(short_cartpole):
+    env, limit, num_envs = short_cartpole, TIME_LIMIT, 8
+    _, state = env.reset(jax.random.key(1), num_envs)
+    history = run_steps(env, state, 0, 3 * limit)
+
+    counter = np.zeros(num_envs, np.int64)
+    truncations = 0
+    for result, new_state in history:
+        counter += 1
+        terminated = np.asarray(result.terminated)
+        truncated = np.asarray(result.truncated)
+        # A constant push does not topple the pole within 5 steps of a reset: every end is a time limit.
+        assert not terminated.any()
+        np.testing.assert_array_equal(truncated, counter == limit)
+        final_obs, next_obs = np.asarray(result.final_obs), np.asarray(result.obs)
+        np.testing.assert_array_equal(final_obs[~truncated], next_obs[~truncated])
+        if truncated.any():
+            truncations += truncated.sum()
+            # final_obs is the state reached (to bootstrap from), not the reset observation.
+            assert np.all(np.any(final_obs[truncated] != next_obs[truncated], axis=-1))
+            assert np.all(np.abs(next_obs[truncated]) <= 0.05)
+            # ...and the pole has visibly moved over 5 pushed steps, out of the reset range.
+            assert np.all(np.abs(final_obs[truncated, 3]) > 0.05)
+        np.testing.assert_array_equal(np.asarray(result.episode_length), np.where(truncated, limit, 0))
+        np.testing.assert_array_equal(np.asarray(result.episode_return), np.where(truncated, float(limit), 0.0))
+        counter[truncated] = 0
+        np.testing.assert_array_equal(np.asarray(new_state.episode_length), counter)
+        np.testing.assert_array_equal(np.asarray(new_state.episode_return), counter.astype(np.float32))
+    assert truncations == 3 * num_envs
+
+
+def test_cartpole_termination_at_the_time_limit_is_not_truncation(short_cartpole):
+    """gymnax reports truncated=True on the last allowed step even when the pole fell on it."""
+    env, limit, num_envs = short_cartpole, TIME_LIMIT, 8
+    _, state = env.reset(jax.random.key(2), num_envs)
+    # One step before the limit; the first half of the batch is about to fall (theta 0.2 + 0.02 * 2 > 0.21).
+    falls = np.arange(num_envs) < num_envs // 2
+    env_state = state.env_state.replace(
+        time=state.env_state.time + (limit - 1),  # (keeps gymnax's dtype: no recompilation)
+        theta=jnp.where(falls, 0.2, state.env_state.theta),
+        theta_dot=jnp.where(falls, 2.0, state.env_state.theta_dot),
+    )
+    state = state.replace(env_state=env_state, episode_length=jnp.full((num_envs,), limit - 1, jnp.int32),
+                          episode_return=jnp.full((num_envs,), limit - 1, jnp.float32))
+    result, new_state = run_steps(env, state, 1, 3 * limit)[0]
+    np.testing.assert_array_equal(np.asarray(result.terminated), falls)
+    np.testing.assert_array_equal(np.asarray(result.truncated), ~falls)
+    np.testing.assert_array_equal(np.asarray(result.episode_length), np.full(num_envs, limit))
+    np.testing.assert_array_equal(np.asarray(new_state.episode_length), np.zeros(num_envs))
+
+
+def test_unknown_env_id_lists_valid_ids():
+    with pytest.raises(ConfigError) as excinfo:
+        make_env("CartPoel-v1")
+    message = str(excinfo.value)
+    assert "CartPoel-v1" in message
+    for valid in ("CartPole-v1", "Pendulum-v1", "Acrobot-v1"):
+        assert valid in message
+    assert "MNISTBandit-bsuite" not in message.split("valid ids:")[-1]
+
+
+def test_unsupported_env_id_says_why():
+    with pytest.raises(ConfigError, match="MNIST"):
+        make_env("MNISTBandit-bsuite")
+
+
+def test_pendulum_actions_are_clipped_to_the_action_space():
+    env = make_env("Pendulum-v1")
+    assert not env.spec.discrete and env.spec.num_actions == 1
+    assert env.spec.action_low == (-2.0,) and env.spec.action_high == (2.0,)
+    # gymnax's Pendulum clips to params.max_torque itself; raise that so only BatchedEnv's clip
+    # (from the action space) can make out-of-bounds actions equal to the bounds.
+    env._params = env._params.replace(max_torque=1000.0)
+    num_envs = 3
+    _, state = env.reset(jax.random.key(0), num_envs)
+    step = jax.jit(env.step)
+    key = jax.random.key(5)
+
+    def next_state(value):
+        new_state, result = step(key, state, jnp.full((num_envs, 1), value, jnp.float32))
+        return np.asarray(new_state.env_state.theta_dot), np.asarray(result.obs), np.asarray(result.reward)
+
+    for outside, bound in ((100.0, 2.0), (-100.0, -2.0), (2.5, 2.0)):
+        for got, expected in zip(next_state(outside), next_state(bound)):
+            np.testing.assert_array_equal(got, expected)
+    # Inside the bounds the action matters.
+    assert not np.array_equal(next_state(1.0)[0], next_state(2.0)[0])
