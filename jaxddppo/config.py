@@ -24,8 +24,8 @@ class ConfigError(ValueError):
     """Bad user input; the message is one line that names the key and the value."""
 
 
-def _opt(default: Any, help: str, **choices: Any) -> Any:
-    metadata = {"help": help, **choices}
+def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> Any:
+    metadata = {"help": help, "choices": choices}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=metadata)
     return field(default=default, metadata=metadata)

@@ -37,8 +37,7 @@ class PPOHyperparams:
 
     @classmethod
     def from_config(cls, config: PPOConfig) -> "PPOHyperparams":
-        names = [f for f in cls.__dataclass_fields__]
-        return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in names})
+        return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

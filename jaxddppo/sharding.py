@@ -168,10 +168,9 @@ def all_shards(tree: Any) -> Any:
 def replicas_equal(tree: Any) -> bool:
     """True when every shard holds bitwise the same values (from this process's view)."""
     for leaf in jax.tree.leaves(tree):
+        reference = first_shard(leaf)
         for shard in leaf.addressable_shards:
-            data = np.asarray(shard.data)
-            reference = np.asarray(first_shard(leaf))
-            if not all(np.array_equal(row, reference, equal_nan=True) for row in data):
+            if not all(np.array_equal(row, reference, equal_nan=True) for row in np.asarray(shard.data)):
                 return False
     return True
 

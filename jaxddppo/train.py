@@ -159,6 +159,74 @@ def chunk_sizes(num_updates: int, updates_per_chunk: int) -> list[int]:
     return [updates_per_chunk] * full + ([remainder] if remainder else [])
 
 
+def compile_chunks(experiment: Experiment, state: TrainState) -> dict[int, Any]:
+    """The compiled learn call for every chunk size the run needs (at most two)."""
+    topology = experiment.topology
+    sizes = sorted(set(chunk_sizes(topology.num_updates, topology.updates_per_chunk)))
+    return {size: experiment.learn_fn(size).lower(state).compile() for size in sizes}
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    state: TrainState
+    train_seconds: float
+    final_episode_return: Optional[float]
+
+
+def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any],
+                 writer: Optional[MetricsWriter], progress: Progress) -> LoopResult:
+    """Call, block, time, log: the host loop over chunks of updates."""
+    topology = experiment.topology
+    train_seconds, updates_done, last_return = 0.0, 0, None
+    for size in chunk_sizes(topology.num_updates, topology.updates_per_chunk):
+        chunk_start = time.perf_counter()
+        state, metrics = compiled[size](state)
+        metrics = sharding.first_shard(metrics)  # blocks until the chunk is done
+        chunk_seconds = time.perf_counter() - chunk_start
+        train_seconds += chunk_seconds
+        if writer is not None:
+            writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds))
+        updates_done += size
+        chunk_return = chunk_episode_return(metrics)
+        last_return = chunk_return if chunk_return is not None else last_return
+        progress.update(
+            updates_done * topology.env_steps_per_update,
+            size * topology.env_steps_per_update / chunk_seconds,
+            last_return,
+        )
+    return LoopResult(state, train_seconds, last_return)
+
+
+def summarise(experiment: Experiment, loop: LoopResult, compile_seconds: float) -> dict:
+    """Evaluate the final policy deterministically and assemble summary.json."""
+    config, topology = experiment.config, experiment.topology
+    evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
+        experiment.env, experiment.network, sharding.first_shard(loop.state.params),
+        jax.random.fold_in(jax.random.key(config.train.seed), 2), config.eval.num_episodes,
+    )
+    eval_returns = np.asarray(evaluation.returns, np.float64)
+    total_env_steps = topology.num_updates * topology.env_steps_per_update
+    return {
+        "env_id": config.env.id,
+        "total_env_steps": total_env_steps,
+        "num_updates": topology.num_updates,
+        "num_devices": topology.num_devices,
+        "num_shards": topology.num_shards,
+        "num_processes": topology.num_processes,
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "compile_seconds": round(compile_seconds, 3),
+        "train_seconds": round(loop.train_seconds, 3),
+        "env_steps_per_second": round(total_env_steps / loop.train_seconds, 1),
+        "final_episode_return": loop.final_episode_return,
+        "eval_return_mean": float(eval_returns.mean()),
+        "eval_return_std": float(eval_returns.std()),
+        "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
+        "eval_episodes": config.eval.num_episodes,
+        "params_digest": sharding.params_digest(loop.state.params),
+    }
+
+
 def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
     """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir."""
     experiment = build(config, devices)
@@ -175,73 +243,28 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
         f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; writing to {run_dir}"
     )
-
     compile_start = time.perf_counter()
     state = experiment.init_state()
-    compiled: dict[int, Any] = {}
-    for size in sorted(set(chunk_sizes(topology.num_updates, topology.updates_per_chunk))):
-        compiled[size] = experiment.learn_fn(size).lower(state).compile()
+    compiled = compile_chunks(experiment, state)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
-    train_seconds, updates_done, last_return = 0.0, 0, None
     try:
-        for size in chunk_sizes(topology.num_updates, topology.updates_per_chunk):
-            chunk_start = time.perf_counter()
-            state, metrics = compiled[size](state)
-            metrics = sharding.first_shard(metrics)
-            chunk_seconds = time.perf_counter() - chunk_start
-            train_seconds += chunk_seconds
-            if writer is not None:
-                writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds))
-            updates_done += size
-            chunk_return = chunk_episode_return(metrics)
-            last_return = chunk_return if chunk_return is not None else last_return
-            progress.update(
-                updates_done * topology.env_steps_per_update,
-                size * topology.env_steps_per_update / chunk_seconds,
-                last_return,
-            )
+        loop = train_chunks(experiment, state, compiled, writer, progress)
     finally:
         progress.close()
         if writer is not None:
             writer.close()
-
-    params = sharding.first_shard(state.params)
-    evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
-        experiment.env, experiment.network, params,
-        jax.random.fold_in(jax.random.key(config.train.seed), 2), config.eval.num_episodes,
-    )
-    eval_returns = np.asarray(evaluation.returns, np.float64)
-    total_env_steps = topology.num_updates * topology.env_steps_per_update
-    summary = {
-        "env_id": config.env.id,
-        "total_env_steps": total_env_steps,
-        "num_updates": topology.num_updates,
-        "num_devices": topology.num_devices,
-        "num_shards": topology.num_shards,
-        "num_processes": topology.num_processes,
-        "backend": jax.default_backend(),
-        "jax_version": jax.__version__,
-        "compile_seconds": round(compile_seconds, 3),
-        "train_seconds": round(train_seconds, 3),
-        "env_steps_per_second": round(total_env_steps / train_seconds, 1),
-        "final_episode_return": last_return,
-        "eval_return_mean": float(eval_returns.mean()),
-        "eval_return_std": float(eval_returns.std()),
-        "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
-        "eval_episodes": config.eval.num_episodes,
-        "params_digest": sharding.params_digest(state.params),
-    }
+    summary = summarise(experiment, loop, compile_seconds)
     if is_writer:
         write_json(os.path.join(run_dir, "summary.json"), summary)
     progress.message(
-        f"done: {total_env_steps:,} steps in {train_seconds:.1f} s ({summary['env_steps_per_second']:,.0f} steps/s, "
-        f"compile {compile_seconds:.1f} s); eval return {summary['eval_return_mean']:.1f} "
-        f"+- {summary['eval_return_std']:.1f}; {run_dir}/summary.json"
+        f"done: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
+        f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "
+        f"eval return {summary['eval_return_mean']:.1f} +- {summary['eval_return_std']:.1f}; {run_dir}/summary.json"
     )
-    return TrainResult(summary=summary, state=state, run_dir=run_dir)
+    return TrainResult(summary=summary, state=loop.state, run_dir=run_dir)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -255,7 +278,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         prog="python -m jaxddppo.train",
         description="Train PPO (DD-PPO) on every local device. Options are set in a YAML file "
         "(--config) and overridden as section.key=value.",
-        epilog="options (section.key, type, default):\n" + help_text(),
+        epilog="configuration keys, set in the YAML file or as section.key=value (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")

@@ -338,3 +338,18 @@ def test_overrides_beat_the_config_file(real_runs: RealRuns):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["num_updates"] == DEFAULT_DIR_NUM_UPDATES  # the run used 8 envs, not only config.yaml
     assert summary["total_env_steps"] == 1024
+
+
+def test_external_device_count_is_honoured_and_used_by_default(tmp_path):
+    """XLA_FLAGS set by the user decides the devices; num_shards defaults to all of them."""
+    (tmp_path / "run.yaml").write_text(MAIN_YAML)
+    env = cli_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    completed = subprocess.run(
+        cli_command("--config", "run.yaml", "run.dir=two", "train.total_env_steps=512"),
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert (summary["num_devices"], summary["num_shards"]) == (2, 2)
+    assert load_config(str(tmp_path / "two" / "config.yaml")).train.num_shards == 2

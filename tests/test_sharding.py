@@ -172,3 +172,21 @@ def test_topology_sizes():
 def test_topology_errors_name_keys_and_numbers(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
         sharding.make_topology(from_dict(values), num_devices=4)
+
+
+def test_minibatch_advantages_normalised_over_all_shards():
+    """Each global minibatch (the same indices on every shard) has mean 0 and std 1 over
+    all shards' samples together, as in a float64 NumPy reference; 4 shards on 2 devices."""
+    num_shards, per_shard = 4, 12
+    rng = np.random.default_rng(0)
+    advantages = (50.0 + rng.normal(size=(num_shards, per_shard)) * np.arange(1, 5)[:, None]).astype(np.float32)
+    indices = np.stack([rng.permutation(per_shard) for _ in range(2)]).reshape(2, 3, 4)  # [E, M, n]
+    mesh = sharding.make_mesh(jax.devices()[:2])
+    normalise = lambda adv, idx: normalize_minibatch_advantages(adv, idx)
+    result = sharding.all_shards(sharding.shard_parallel(normalise, mesh)(
+        jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (num_shards,) + indices.shape)
+    ))
+    gathered = advantages.astype(np.float64)[:, indices]  # [S, E, M, n]
+    mean = gathered.mean(axis=(0, 3), keepdims=True)
+    std = gathered.std(axis=(0, 3), keepdims=True)
+    np.testing.assert_allclose(result, (gathered - mean) / (std + 1e-8), rtol=1e-4, atol=1e-4)
