@@ -182,7 +182,7 @@ def _check_sections(layer: Any, source: str) -> None:
             )
 
 
-def _load_yaml(path: str) -> dict:
+def _load_yaml(path: str) -> Any:
     if not os.path.exists(path):
         raise ConfigError(f"config file not found: {path}")
     if os.path.isdir(path):
@@ -193,6 +193,8 @@ def _load_yaml(path: str) -> dict:
     except (yaml.YAMLError, UnicodeDecodeError) as error:  # the parser's own messages are many-lined
         detail = " ".join(str(error).split())[:200]
         raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
+    except OSError as error:
+        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None
     if raw is None:
         raise ConfigError(f"config file {path} is empty; give at least one section, e.g. 'env: {{id: CartPole-v1}}'")
     if not isinstance(raw, dict):
