@@ -110,7 +110,8 @@ class LossInfo:
 
 @struct.dataclass
 class UpdateMetrics:
-    """Per-update metrics, identical on every shard. Losses are means over all SGD steps."""
+    """Per-update metrics, identical on every shard: the LossInfo fields (means over all
+    SGD steps and shards), then statistics of the rollout."""
 
     policy_loss: jax.Array
     value_loss: jax.Array
@@ -307,12 +308,7 @@ def make_update(
         nan_if_none = jnp.where(episodes.count > 0, 1.0, jnp.nan)
         count = jnp.maximum(episodes.count, 1e-30)
         metrics = UpdateMetrics(
-            policy_loss=totals.info.policy_loss,
-            value_loss=totals.info.value_loss,
-            entropy=totals.info.entropy,
-            approx_kl=totals.info.approx_kl,
-            clip_fraction=totals.info.clip_fraction,
-            grad_norm=totals.info.grad_norm,
+            **vars(totals.info),
             explained_variance=1.0 - _variance(totals.residual_moments) / (_variance(totals.target_moments) + 1e-8),
             learning_rate=learning_rate_at(
                 state.update_index * settings.sgd_steps_per_update, hyperparams, settings
