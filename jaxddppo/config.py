@@ -94,6 +94,27 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: Optional[str] = _opt(
+        None, "host:port of process 0's coordinator; with num_processes and process_id starts a multi-process run"
+    )
+    num_processes: Optional[int] = _opt(None, "number of processes (hosts) in the run")
+    process_id: Optional[int] = _opt(None, "this process's index, 0 .. num_processes-1")
+    auto: bool = _opt(
+        False, "let jax.distributed detect the cluster (SLURM under srun, Open MPI, Cloud TPU, Kubernetes)"
+    )
+    init_timeout: int = _opt(300, "seconds to wait for every process to reach the coordinator")
+    heartbeat_timeout: int = _opt(100, "seconds without a heartbeat after which a peer counts as lost")
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    check_replicas: bool = _opt(
+        False, "after every chunk, compare a parameter digest of every shard on every process; stop on divergence"
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -101,6 +122,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 @dataclass(frozen=True)
@@ -300,7 +323,29 @@ def validate(config: Config) -> None:
     for key in ("vf_coef", "ent_coef"):
         value = getattr(config.ppo, key)
         _check(value >= 0, f"ppo.{key}", value, "must be >= 0")
+    _validate_distributed(config.distributed)
     _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
            "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
     _check(all(c >= 1 for c in config.network.cnn_channels), "network.cnn_channels",
            list(config.network.cnn_channels), "widths must be positive")
+
+
+def _validate_distributed(config: DistributedConfig) -> None:
+    explicit = {"distributed.coordinator": config.coordinator,
+                "distributed.num_processes": config.num_processes,
+                "distributed.process_id": config.process_id}
+    given = [key for key, value in explicit.items() if value is not None]
+    if given and len(given) < len(explicit):
+        missing = [key for key in explicit if key not in given]
+        raise ConfigError(f"{', '.join(given)} set but {', '.join(missing)} not: a multi-process run needs all three")
+    if config.coordinator is not None:
+        host, _, port = config.coordinator.rpartition(":")
+        _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, "distributed.coordinator",
+               config.coordinator, "must be host:port")
+    if config.num_processes is not None:
+        _check(config.num_processes >= 1, "distributed.num_processes", config.num_processes, "must be at least 1")
+        _check(0 <= config.process_id < config.num_processes, "distributed.process_id", config.process_id,
+               f"must be in [0, {config.num_processes - 1}]")
+    _check(config.init_timeout >= 1, "distributed.init_timeout", config.init_timeout, "must be at least 1 second")
+    _check(config.heartbeat_timeout >= 1, "distributed.heartbeat_timeout", config.heartbeat_timeout,
+           "must be at least 1 second")

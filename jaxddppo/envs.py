@@ -12,11 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import gymnax
 import jax
 import jax.numpy as jnp
 from flax import struct
-from gymnax.environments import spaces
 
 from jaxddppo.config import ConfigError
 
@@ -56,11 +54,19 @@ class StepResult:
     episode_length: jax.Array  # [B]
 
 
+# gymnax is imported where it is used: importing it runs JAX computations, which
+# would start the XLA backend before `jax.distributed.initialize` can run.
+
+
 def available_env_ids() -> list[str]:
+    import gymnax
+
     return [env_id for env_id in gymnax.registered_envs if env_id not in UNSUPPORTED_ENVS]
 
 
 def _obs_converter(space: Any) -> tuple[Callable[[Any], jax.Array], tuple[int, ...]]:
+    from gymnax.environments import spaces
+
     if isinstance(space, spaces.Discrete):
         return (lambda obs: jax.nn.one_hot(obs, space.n, dtype=jnp.float32)), (int(space.n),)
     if isinstance(space, spaces.Box):
@@ -72,6 +78,9 @@ class BatchedEnv:
     """A batch of one gymnax environment, auto-resetting, with episode statistics."""
 
     def __init__(self, env_id: str):
+        import gymnax
+        from gymnax.environments import spaces
+
         if env_id in UNSUPPORTED_ENVS:
             raise ConfigError(f"env.id={env_id!r} is not supported: {UNSUPPORTED_ENVS[env_id]}")
         if env_id not in gymnax.registered_envs:

@@ -13,14 +13,19 @@ Other modules never name an axis: they call `pmean_over_shards` and friends.
 
 from __future__ import annotations
 
+import functools
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxddppo.config import Config, ConfigError
+from jaxddppo.config import Config, ConfigError, DistributedConfig
 
 SHARD_AXIS = "shard"
 DEVICE_AXIS = "device"
@@ -179,3 +184,92 @@ def params_digest(params: Any) -> float:
     """float64 sum of |p| over every parameter of one shard."""
     leaves = jax.tree.leaves(first_shard(params))
     return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
+
+
+class DistributedError(RuntimeError):
+    """The multi-process runtime could not start; the message is one line."""
+
+
+def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
+    """Fail with one line if nothing listens at `address` within the timeout.
+
+    JAX aborts the whole process (SIGABRT, a C++ stack trace) when it cannot
+    register with the coordinator, so a process that is not the coordinator
+    checks first that it can reach it.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"coordinator {address} unreachable for {timeout_seconds} s (distributed.init_timeout); "
+                    "check that process 0 runs and that its host and port are reachable"
+                ) from None
+            time.sleep(0.25)
+
+
+def initialize_distributed(config: DistributedConfig) -> None:
+    """Join a multi-process run when the config asks for one; otherwise stay single-process.
+
+    Cluster auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes) runs only with
+    `distributed.auto=true`, so stray cluster variables never start it.
+    """
+    if config.auto:
+        where, explicit = "auto-detected cluster", {}
+    elif config.coordinator is not None:
+        where = f"coordinator {config.coordinator}"
+        explicit = {
+            "coordinator_address": config.coordinator,
+            "num_processes": config.num_processes,
+            "process_id": config.process_id,
+        }
+    else:
+        return
+    if not config.auto and config.process_id != 0:
+        _wait_for_coordinator(config.coordinator, config.init_timeout)
+    try:
+        jax.distributed.initialize(
+            **explicit,
+            initialization_timeout=config.init_timeout,
+            heartbeat_timeout_seconds=config.heartbeat_timeout,
+        )
+    except Exception as error:  # JAX raises several types, each with a many-line message
+        detail = " ".join(str(error).split())[:300]
+        raise DistributedError(
+            f"jax.distributed could not start ({where}, distributed.init_timeout={config.init_timeout} s): {detail}"
+        ) from None
+
+
+class ReplicaDivergence(RuntimeError):
+    """Shards hold different parameters; the message is one line."""
+
+
+def _bit_checksum(tree: Any) -> jax.Array:
+    """A wrapping sum of the raw bits of every leaf: any changed bit changes it (barring collisions)."""
+    total = jnp.zeros((), jnp.uint32)
+    for leaf in jax.tree.leaves(tree):
+        bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
+        total = total + jnp.sum(bits, dtype=jnp.uint32)
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_checksum(mesh: Mesh) -> Callable:
+    return shard_parallel(_bit_checksum, mesh)
+
+
+def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
+    """Raise ReplicaDivergence unless every shard on every process holds bitwise the same params."""
+    checksums = _compiled_checksum(mesh)(params)
+    every_shard = np.asarray(multihost_utils.process_allgather(checksums, tiled=True))
+    differing = [int(i) for i in np.flatnonzero(every_shard != every_shard[0])]
+    if differing:
+        raise ReplicaDivergence(
+            f"replicas diverged after update {after_update}: shard(s) {differing} differ from shard 0 "
+            f"(parameter bit checksums {every_shard.tolist()}); check that every host runs the same "
+            "jaxddppo, JAX and jaxlib versions"
+        )

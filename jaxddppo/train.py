@@ -159,6 +159,10 @@ def chunk_sizes(num_updates: int, updates_per_chunk: int) -> list[int]:
     return [updates_per_chunk] * full + ([remainder] if remainder else [])
 
 
+def process_label() -> str:
+    return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
+
+
 def compile_chunks(experiment: Experiment, state: TrainState) -> dict[int, Any]:
     """The compiled learn call for every chunk size the run needs (at most two)."""
     topology = experiment.topology
@@ -187,6 +191,8 @@ def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, 
         if writer is not None:
             writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds))
         updates_done += size
+        if experiment.config.debug.check_replicas:
+            sharding.check_replicas(state.params, experiment.mesh, updates_done)
         chunk_return = chunk_episode_return(metrics)
         last_return = chunk_return if chunk_return is not None else last_return
         progress.update(
@@ -228,20 +234,26 @@ def summarise(experiment: Experiment, loop: LoopResult, compile_seconds: float) 
 
 
 def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
-    """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir."""
+    """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir.
+
+    Joins a multi-process run first when `config.distributed` asks for one.
+    """
+    if not jax.distributed.is_initialized():
+        sharding.initialize_distributed(config.distributed)
     experiment = build(config, devices)
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     is_writer = jax.process_index() == 0
-    run_dir = claim_run_dir(config.run.dir, config.env.id) if is_writer else (config.run.dir or "")
+    run_dir = claim_run_dir(config.run.dir, config.env.id) if is_writer else ""
     if is_writer:
         with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
             handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
     progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)
+    where = f"writing to {run_dir}" if is_writer else "process 0 writes the results"
     progress.message(
-        f"jaxddppo: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
+        f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
         f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
-        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; writing to {run_dir}"
+        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; {where}"
     )
     compile_start = time.perf_counter()
     state = experiment.init_state()
@@ -260,9 +272,10 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
     if is_writer:
         write_json(os.path.join(run_dir, "summary.json"), summary)
     progress.message(
-        f"done: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
+        f"done{process_label()}: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
         f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "
-        f"eval return {summary['eval_return_mean']:.1f} +- {summary['eval_return_std']:.1f}; {run_dir}/summary.json"
+        f"eval return {summary['eval_return_mean']:.1f} +- {summary['eval_return_std']:.1f}"
+        + (f"; {run_dir}/summary.json" if is_writer else "")
     )
     return TrainResult(summary=summary, state=loop.state, run_dir=run_dir)
 
@@ -294,6 +307,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (sharding.DistributedError, sharding.ReplicaDivergence) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,149 @@
+"""Several processes through jax.distributed, on one machine (127.0.0.1, gloo CPU collectives)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxddppo import sharding
+from jaxddppo.config import load_config
+from jaxddppo.train import build, run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMALL_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=8",
+             "train.num_shards=4", "ppo.num_steps=32", "train.total_env_steps=2048", "eval.num_episodes=4",
+             "run.progress=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train_env(num_devices: int) -> dict:
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO_ROOT))
+    return env
+
+
+def test_two_processes_learn_what_one_process_learns(tmp_path):
+    port = free_port()
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, f"run.dir={tmp_path / 'multi'}",
+             "debug.check_replicas=true", f"distributed.coordinator=127.0.0.1:{port}",
+             "distributed.num_processes=2", f"distributed.process_id={process_id}",
+             "distributed.init_timeout=120"],
+            env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for process_id in range(2)
+    ]
+    try:
+        outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    for worker, output in zip(workers, outputs):
+        assert worker.returncode == 0, output
+    assert "process 1 of 2" in outputs[1] and "process 0 writes the results" in outputs[1]
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert (summary["num_processes"], summary["num_devices"], summary["num_shards"]) == (2, 4, 4)
+
+    config = load_config(SMALL_RUN[1], SMALL_RUN[2:])
+    for num_devices in (4, 1):
+        single_config = replace(config, run=replace(config.run, dir=str(tmp_path / f"single{num_devices}")))
+        single = run(single_config, devices=jax.devices()[:num_devices])
+        np.testing.assert_allclose(summary["params_digest"], single.summary["params_digest"], rtol=1e-5)
+        assert summary["eval_return_mean"] == pytest.approx(single.summary["eval_return_mean"])
+
+
+def test_unreachable_coordinator_is_one_line_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    completed = subprocess.run(
+        [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, f"run.dir={tmp_path / 'r'}",
+         f"distributed.coordinator=127.0.0.1:{free_port()}", "distributed.num_processes=2",
+         "distributed.process_id=1", "distributed.init_timeout=3"],
+        env=train_env(1), capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    lines = completed.stderr.strip().splitlines()
+    assert completed.returncode == 1, completed.stderr
+    assert len(lines) == 1 and "unreachable for 3 s" in lines[0] and "distributed.init_timeout" in lines[0]
+    assert elapsed < 3 + 60  # the timeout, plus start-up of the interpreter and imports
+    assert not (tmp_path / "r").exists()
+
+
+def replica_config(tmp_path, check: bool):
+    return load_config(SMALL_RUN[1], SMALL_RUN[2:] + [f"run.dir={tmp_path / 'r'}", f"debug.check_replicas={check}"])
+
+
+def test_replica_check_passes_on_a_healthy_run(tmp_path):
+    result = run(replica_config(tmp_path, True), devices=jax.devices()[:2])
+    assert sharding.replicas_equal(result.state.params)
+
+
+def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
+    experiment = build(replica_config(tmp_path, True), jax.devices()[:2])
+    params = experiment.init_state().params
+    sharding.check_replicas(params, experiment.mesh, after_update=0)
+
+    def perturb_shard_two(leaf):
+        values = np.array(jax.device_get(leaf))
+        values[2].flat[0] = np.nextafter(values[2].flat[0], np.float32(np.inf))
+        return jax.device_put(values, sharding.shard_sharding(experiment.mesh))
+
+    perturbed = jax.tree.map(perturb_shard_two, params)
+    with pytest.raises(sharding.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
+        sharding.check_replicas(perturbed, experiment.mesh, after_update=7)
+
+
+def processes_mentioning(text: str) -> dict[int, str]:
+    """pid -> command line of every live process whose command line contains `text`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in command:
+                found[int(entry.name)] = command
+    return found
+
+
+def test_launcher_stops_every_process_when_a_worker_dies(tmp_path):
+    run_dir = tmp_path / "killed"
+    long_run = SMALL_RUN + ["train.total_env_steps=10000000", "train.updates_per_chunk=1", f"run.dir={run_dir}"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "jaxddppo.launch", "--num-processes", "2", "--devices-per-process", "1",
+         "--timeout-after-failure", "5", "--", *long_run],
+        env=train_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert launcher.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        workers = {pid: cmd for pid, cmd in processes_mentioning(str(run_dir)).items() if "jaxddppo.train" in cmd}
+        [victim] = [pid for pid, cmd in workers.items() if "distributed.process_id=1" in cmd]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=120)
+        assert time.monotonic() - killed_at < 60
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert "process 1 exited with status -9 (killed by SIGKILL)" in stderr
+    assert not processes_mentioning(str(run_dir)), "a worker outlived the launcher"
