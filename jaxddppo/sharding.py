@@ -215,22 +215,23 @@ def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
 def initialize_distributed(config: DistributedConfig) -> None:
     """Join a multi-process run when the config asks for one; otherwise stay single-process.
 
-    Cluster auto-detection (SLURM, Open MPI, Cloud TPU, Kubernetes) runs only with
-    `distributed.auto=true`, so stray cluster variables never start it.
+    Explicit settings win. Cluster auto-detection (SLURM, Open MPI, Cloud TPU,
+    Kubernetes) runs only with `distributed.auto=true`, so stray cluster variables
+    never start it.
     """
-    if config.auto:
-        where, explicit = "auto-detected cluster", {}
-    elif config.coordinator is not None:
+    if config.coordinator is not None:
         where = f"coordinator {config.coordinator}"
         explicit = {
             "coordinator_address": config.coordinator,
             "num_processes": config.num_processes,
             "process_id": config.process_id,
         }
+        if config.process_id != 0:
+            _wait_for_coordinator(config.coordinator, config.init_timeout)
+    elif config.auto:
+        where, explicit = "auto-detected cluster", {}
     else:
         return
-    if not config.auto and config.process_id != 0:
-        _wait_for_coordinator(config.coordinator, config.init_timeout)
     try:
         jax.distributed.initialize(
             **explicit,
