@@ -123,11 +123,6 @@ def pmean_over_shards(tree: Any) -> Any:
     return jax.lax.pmean(tree, _ALL_SHARD_AXES)
 
 
-def psum_over_shards(tree: Any) -> Any:
-    """Sum over every shard (call inside a function wrapped by `shard_parallel`)."""
-    return jax.lax.psum(tree, _ALL_SHARD_AXES)
-
-
 def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:
     """Compile `per_shard` to run once per logical shard over the whole mesh.
 
@@ -168,16 +163,6 @@ def first_shard(tree: Any) -> Any:
 def all_shards(tree: Any) -> Any:
     """Host copy of every shard of every leaf (single-process runs and tests)."""
     return jax.tree.map(lambda leaf: np.asarray(jax.device_get(leaf)), tree)
-
-
-def replicas_equal(tree: Any) -> bool:
-    """True when every shard holds bitwise the same values (from this process's view)."""
-    for leaf in jax.tree.leaves(tree):
-        reference = first_shard(leaf)
-        for shard in leaf.addressable_shards:
-            if not all(np.array_equal(row, reference, equal_nan=True) for row in np.asarray(shard.data)):
-                return False
-    return True
 
 
 def params_digest(params: Any) -> float:

@@ -70,7 +70,7 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
 
     split = jax.tree.map(lambda x: x.reshape((num_shards, shard_size) + x.shape[1:]), global_batch)
     grads, info = sharding.shard_parallel(per_shard, mesh)(split)
-    assert sharding.replicas_equal(grads)
+    sharding.check_replicas(grads, mesh, after_update=0)
     return sharding.first_shard(grads), sharding.all_shards(info)
 
 
@@ -136,9 +136,9 @@ def test_same_learning_on_any_device_count(runs_by_device_count, num_devices):
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
 def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_devices):
-    _, state, _, learn = runs_by_device_count[num_devices]
-    assert sharding.replicas_equal(state.params)
-    assert sharding.replicas_equal(state.opt_state)
+    experiment, state, _, learn = runs_by_device_count[num_devices]
+    sharding.check_replicas(state.params, experiment.mesh, after_update=6)
+    sharding.check_replicas(state.opt_state, experiment.mesh, after_update=6)
     assert np.asarray(state.update_index).tolist() == [6, 6, 6, 6]
     observations = sharding.all_shards(state.rollout.obs)
     for other in range(1, 4):
