@@ -94,6 +94,15 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every_updates: int = _opt(
+        100, "save a checkpoint every this many updates (0: only at the end and when stopped by a signal)"
+    )
+    keep: int = _opt(3, "newest checkpoints kept in RUN_DIR/checkpoints; older ones are deleted")
+    async_save: bool = _opt(True, "write checkpoints in the background while training goes on")
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     coordinator: Optional[str] = _opt(
         None, "host:port of process 0's coordinator; with num_processes and process_id starts a multi-process run"
@@ -122,6 +131,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
@@ -273,6 +283,48 @@ def from_dict(values: dict) -> Config:
     return config
 
 
+# What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
+RESUMABLE_KEYS = (
+    "train.total_env_steps", "train.updates_per_chunk", "run.progress",
+    "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+)
+
+
+def _resumable(key: str) -> bool:
+    return any(key == safe or (safe.endswith("*") and key.startswith(safe[:-1])) for safe in RESUMABLE_KEYS)
+
+
+def _flat(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for name, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
+    """The config of the run in `run_dir` (its config.yaml), with overrides that are safe mid-run."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"run directory {run_dir} does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError(f"run directory {run_dir} has no config.yaml; is it a jaxddppo run directory?")
+    stored = load_config(path)
+    resumed = load_config(path, overrides)
+    before, after = _flat(to_dict(stored)), _flat(to_dict(resumed))
+    for key in before:
+        if before[key] != after[key] and key != "run.dir" and not _resumable(key):
+            raise ConfigError(
+                f"{key}={after[key]!r} cannot change on resume (the run has {before[key]!r}): it would change "
+                f"the algorithm mid-run; a resume may change {', '.join(RESUMABLE_KEYS)}"
+            )
+    if before["run.dir"] != after["run.dir"]:
+        raise ConfigError(f"run.dir={after['run.dir']!r} cannot be set on resume: the run directory is {run_dir}")
+    return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
+
+
 def to_dict(config: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(config))
 
@@ -305,12 +357,15 @@ def validate(config: Config) -> None:
         ("train.total_env_steps", config.train.total_env_steps),
         ("train.updates_per_chunk", config.train.updates_per_chunk),
         ("eval.num_episodes", config.eval.num_episodes),
+        ("checkpoint.keep", config.checkpoint.keep),
     ]
     for key, value in positive_ints:
         _check(value >= 1, key, value, "must be at least 1")
     if config.train.num_shards is not None:
         _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
                "must be at least 1 (or left unset for one shard per device)")
+    _check(config.checkpoint.every_updates >= 0, "checkpoint.every_updates", config.checkpoint.every_updates,
+           "must be >= 0 (0: only at the end)")
     _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
     _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")

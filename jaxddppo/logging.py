@@ -82,11 +82,35 @@ class MetricsWriter:
         self._handle.close()
 
 
+def truncate_metrics(path: str, last_update: int) -> int:
+    """Keep the rows of metrics.jsonl up to `last_update` (a resumed run rewrites the later ones).
+
+    A torn last line (a kill during a write) is dropped. The file is replaced
+    atomically. Returns the last update kept (0 if none).
+    """
+    kept, last_kept = [], 0
+    with open(path) as handle:
+        for line in handle:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if not line.endswith("\n") or row.get("update", last_update + 1) > last_update:
+                break
+            kept.append(line)
+            last_kept = row["update"]
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as handle:
+        handle.writelines(kept)
+    os.replace(temporary, path)
+    return last_kept
+
+
 class Progress:
     """A tqdm bar on a terminal; otherwise one plain line at most every `line_interval` seconds."""
 
     def __init__(self, total_env_steps: int, enabled: bool, stream: TextIO = sys.stderr,
-                 line_interval: float = 2.0):
+                 line_interval: float = 2.0, initial_env_steps: int = 0):
         self._total = total_env_steps
         self._enabled = enabled
         self._stream = stream
@@ -94,7 +118,8 @@ class Progress:
         self._last_line = -math.inf
         self._bar: Optional[tqdm] = None
         if enabled and stream.isatty():
-            self._bar = tqdm(total=total_env_steps, unit="step", unit_scale=True, file=stream, dynamic_ncols=True)
+            self._bar = tqdm(total=total_env_steps, initial=initial_env_steps, unit="step", unit_scale=True,
+                             file=stream, dynamic_ncols=True)
 
     def update(self, env_steps: int, steps_per_second: float, episode_return: Optional[float]) -> None:
         if not self._enabled:

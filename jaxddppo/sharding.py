@@ -171,6 +171,19 @@ def params_digest(params: Any) -> float:
     return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
 
 
+def broadcast_text(text: str, max_bytes: int = 4096) -> str:
+    """Process 0's `text` on every process (a collective; a no-op in a single-process run)."""
+    if jax.process_count() == 1:
+        return text
+    encoded = text.encode()
+    if len(encoded) > max_bytes:
+        raise ValueError(f"broadcast_text: {len(encoded)} bytes exceed {max_bytes}")
+    buffer = np.zeros(max_bytes, np.uint8)
+    buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return bytes(received).rstrip(b"\0").decode()
+
+
 class DistributedError(RuntimeError):
     """The multi-process runtime could not start; the message is one line."""
 

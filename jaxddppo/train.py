@@ -15,13 +15,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxddppo import sharding
-from jaxddppo.config import Config, ConfigError, help_text, load_config, to_yaml
+from jaxddppo.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    Checkpointer,
+    CheckpointError,
+    RunCounters,
+    StopSignals,
+)
+from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError, help_text, load_config, load_resume_config, to_yaml
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.evaluation import evaluate_policy
-from jaxddppo.logging import METRIC_FIELDS, MetricsWriter, Progress, write_json
+from jaxddppo.logging import METRIC_FIELDS, MetricsWriter, Progress, truncate_metrics, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import (
     PPOHyperparams,
@@ -58,6 +66,12 @@ class Experiment:
         indices = sharding.global_shard_indices(self.mesh, topology.num_shards)
         return sharding.shard_parallel(init_shard, self.mesh)(indices)
 
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
+        placement = sharding.shard_sharding(self.mesh)
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
+                            jax.eval_shape(self.init_state))
+
     def learn_fn(self, num_updates: int) -> Callable[[TrainState], tuple[TrainState, UpdateMetrics]]:
         """`num_updates` updates in one jitted call; metrics leaves are [num_shards, num_updates]."""
         update = make_update(self.env, self.network, self.settings)
@@ -91,11 +105,26 @@ def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Exp
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What `run` returns: the summary (as written to summary.json), final state and run dir."""
+    """What `run` returns.
 
-    summary: dict
+    `summary` is summary.json's content, or None when the run stopped before its
+    last update (`stopped_by` then names why: a signal or `stop_after_updates`).
+    """
+
+    summary: Optional[dict]
     state: TrainState
     run_dir: str
+    counters: RunCounters
+    stopped_by: Optional[str] = None
+
+    @property
+    def preempted(self) -> bool:
+        """Stopped early by a signal (SIGTERM, SIGINT), with a checkpoint to resume from."""
+        return self.stopped_by not in (None, "stop_after_updates")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN or Inf; the message names the update and the quantity."""
 
 
 def claim_run_dir(path: Optional[str], env_id: str) -> str:
@@ -118,12 +147,35 @@ def claim_run_dir(path: Optional[str], env_id: str) -> str:
         except FileExistsError:
             if explicit:
                 raise ConfigError(
-                    f"run.dir={candidate!r} already holds a run (metrics.jsonl); choose another run.dir"
+                    f"run.dir={candidate!r} already holds a run (metrics.jsonl); choose another run.dir, "
+                    f"or continue it with --resume {candidate}"
                 ) from None
             attempt += 1
             candidate = f"{base}-{attempt}"
         except OSError as error:
             raise ConfigError(f"run.dir={candidate!r} cannot be created: {error.strerror}") from None
+
+
+def shared_run_dir(config: Config) -> str:
+    """Process 0 claims the run directory; every process learns its path (checkpoints need it)."""
+    if jax.process_index() != 0:
+        run_dir = sharding.broadcast_text("")
+        if not run_dir:
+            raise sharding.DistributedError("process 0 could not create the run directory; see its error")
+        return run_dir
+    try:
+        run_dir = claim_run_dir(config.run.dir, config.env.id)
+    except ConfigError:
+        sharding.broadcast_text("")
+        raise
+    return sharding.broadcast_text(run_dir)
+
+
+def write_config(run_dir: str, config: Config) -> None:
+    path = os.path.join(run_dir, "config.yaml")
+    with open(f"{path}.tmp", "w") as handle:
+        handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
+    os.replace(f"{path}.tmp", path)
 
 
 def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
@@ -145,6 +197,25 @@ def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update
     return rows
 
 
+# Quantities that are finite in every healthy update (explained_variance and the
+# episode means are legitimately undefined sometimes).
+GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm")
+
+
+def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
+    """(offset within the chunk, quantity) of the first NaN/Inf among the guarded metrics."""
+    for offset in range(len(np.asarray(metrics.policy_loss))):
+        for name in GUARDED_METRICS:
+            if not np.isfinite(np.asarray(getattr(metrics, name))[offset]):
+                return offset, name
+    return None
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+
+
 def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
     """Mean return over the episodes that ended in a chunk, weighted by their count."""
     counts = np.asarray(metrics.episodes_completed, np.float64)
@@ -154,89 +225,140 @@ def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
     return float((returns * counts).sum() / counts.sum())
 
 
-def chunk_sizes(num_updates: int, updates_per_chunk: int) -> list[int]:
-    full, remainder = divmod(num_updates, updates_per_chunk)
-    return [updates_per_chunk] * full + ([remainder] if remainder else [])
+def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> list[int]:
+    """Sizes of the chunks from update `start` to `stop`: cut at every multiple of
+    `updates_per_chunk` and of `checkpoint_every` (0: no checkpoint cuts)."""
+    sizes, update = [], start
+    while update < stop:
+        boundary = min(stop, (update // updates_per_chunk + 1) * updates_per_chunk)
+        if checkpoint_every:
+            boundary = min(boundary, (update // checkpoint_every + 1) * checkpoint_every)
+        sizes.append(boundary - update)
+        update = boundary
+    return sizes
 
 
 def process_label() -> str:
     return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
 
 
-def compile_chunks(experiment: Experiment, state: TrainState) -> dict[int, Any]:
-    """The compiled learn call for every chunk size the run needs (at most two)."""
-    topology = experiment.topology
-    sizes = sorted(set(chunk_sizes(topology.num_updates, topology.updates_per_chunk)))
-    return {size: experiment.learn_fn(size).lower(state).compile() for size in sizes}
+def compile_chunks(experiment: Experiment, state: TrainState, sizes: Sequence[int]) -> dict[int, Any]:
+    """The compiled learn call for every distinct chunk size in `sizes`."""
+    return {size: experiment.learn_fn(size).lower(state).compile() for size in sorted(set(sizes))}
 
 
 @dataclass(frozen=True)
 class LoopResult:
     state: TrainState
-    train_seconds: float
-    final_episode_return: Optional[float]
+    counters: RunCounters
+    saved_update: Optional[int]  # update of the newest checkpoint started, if any
+    stopped_by: Optional[str]
 
 
-def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any],
-                 writer: Optional[MetricsWriter], progress: Progress) -> LoopResult:
-    """Call, block, time, log: the host loop over chunks of updates."""
-    topology = experiment.topology
-    train_seconds, updates_done, last_return = 0.0, 0, None
-    for size in chunk_sizes(topology.num_updates, topology.updates_per_chunk):
+def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any], sizes: Sequence[int],
+                 counters: RunCounters, writer: Optional[MetricsWriter], progress: Progress,
+                 checkpointer: Checkpointer, signals: StopSignals) -> LoopResult:
+    """Call, block, time, log, check, checkpoint: the host loop over chunks of updates.
+
+    Raises NonFiniteError, after logging the chunk, without saving it.
+    """
+    topology, config = experiment.topology, experiment.config
+    every = config.checkpoint.every_updates
+    saved_update = None
+    for size in sizes:
         chunk_start = time.perf_counter()
         state, metrics = compiled[size](state)
         metrics = sharding.first_shard(metrics)  # blocks until the chunk is done
         chunk_seconds = time.perf_counter() - chunk_start
-        train_seconds += chunk_seconds
-        if writer is not None:
-            writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds))
-        updates_done += size
-        if experiment.config.debug.check_replicas:
-            sharding.check_replicas(state.params, experiment.mesh, updates_done)
+        first_update = counters.update
         chunk_return = chunk_episode_return(metrics)
-        last_return = chunk_return if chunk_return is not None else last_return
-        progress.update(
-            updates_done * topology.env_steps_per_update,
-            size * topology.env_steps_per_update / chunk_seconds,
-            last_return,
+        update = first_update + size
+        counters = RunCounters(
+            update=update,
+            env_steps=update * topology.env_steps_per_update,
+            train_seconds=counters.train_seconds + chunk_seconds,
+            final_episode_return=chunk_return if chunk_return is not None else counters.final_episode_return,
         )
-    return LoopResult(state, train_seconds, last_return)
+        if writer is not None:
+            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update, counters.train_seconds))
+        bad = first_non_finite(metrics)
+        if bad is not None:
+            offset, name = bad
+            raise NonFiniteError(f"non-finite {name} at update {first_update + offset + 1}")
+        if not bool(_all_finite(state.params)):
+            raise NonFiniteError(f"non-finite parameters after update {update}")
+        if config.debug.check_replicas:
+            sharding.check_replicas(state.params, experiment.mesh, update)
+        progress.update(counters.env_steps, size * topology.env_steps_per_update / chunk_seconds,
+                        counters.final_episode_return)
+        stop = signals.agreed()
+        if stop is not None or (every and update % every == 0):
+            checkpointer.save(state, counters)
+            saved_update = update
+        if stop is not None:
+            return LoopResult(state, counters, saved_update, stop)
+    return LoopResult(state, counters, saved_update, None)
 
 
-def summarise(experiment: Experiment, loop: LoopResult, compile_seconds: float) -> dict:
+def summarise(experiment: Experiment, state: TrainState, counters: RunCounters, compile_seconds: float) -> dict:
     """Evaluate the final policy deterministically and assemble summary.json."""
     config, topology = experiment.config, experiment.topology
     evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
-        experiment.env, experiment.network, sharding.first_shard(loop.state.params),
-        jax.random.fold_in(jax.random.key(config.train.seed), 2), config.eval.num_episodes,
+        experiment.env, experiment.network, sharding.first_shard(state.params),
+        final_eval_key(config), config.eval.num_episodes,
     )
     eval_returns = np.asarray(evaluation.returns, np.float64)
-    total_env_steps = topology.num_updates * topology.env_steps_per_update
     return {
         "env_id": config.env.id,
-        "total_env_steps": total_env_steps,
-        "num_updates": topology.num_updates,
+        "total_env_steps": counters.env_steps,
+        "num_updates": counters.update,
         "num_devices": topology.num_devices,
         "num_shards": topology.num_shards,
         "num_processes": topology.num_processes,
         "backend": jax.default_backend(),
         "jax_version": jax.__version__,
         "compile_seconds": round(compile_seconds, 3),
-        "train_seconds": round(loop.train_seconds, 3),
-        "env_steps_per_second": round(total_env_steps / loop.train_seconds, 1),
-        "final_episode_return": loop.final_episode_return,
+        "train_seconds": round(counters.train_seconds, 3),
+        "env_steps_per_second": round(counters.env_steps / counters.train_seconds, 1),
+        "final_episode_return": counters.final_episode_return,
         "eval_return_mean": float(eval_returns.mean()),
         "eval_return_std": float(eval_returns.std()),
         "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
         "eval_episodes": config.eval.num_episodes,
-        "params_digest": sharding.params_digest(loop.state.params),
+        "params_digest": sharding.params_digest(state.params),
     }
 
 
-def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
-    """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir.
+def final_eval_key(config: Config) -> jax.Array:
+    """The key of the final evaluation (`jaxddppo.evaluate` uses it too, to reproduce it)."""
+    return jax.random.fold_in(jax.random.key(config.train.seed), 2)
 
-    Joins a multi-process run first when `config.distributed` asks for one.
+
+def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str, progress: Progress) -> tuple[TrainState, RunCounters]:
+    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0)."""
+    state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
+    topology = experiment.topology
+    if counters.update > topology.num_updates:
+        raise ConfigError(
+            f"train.total_env_steps={experiment.config.train.total_env_steps} is below the "
+            f"{counters.env_steps} env steps the checkpoint at update {counters.update} has done"
+        )
+    if jax.process_index() == 0:
+        last_row = truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), counters.update)
+        if last_row < counters.update:
+            progress.message(f"warning: metrics.jsonl ends at update {last_row}, before the checkpoint's "
+                             f"update {counters.update}; updates {last_row + 1}-{counters.update} have no rows")
+    return state, counters
+
+
+def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
+        stop_after_updates: Optional[int] = None) -> TrainResult:
+    """Train with `config`, writing config.yaml, metrics.jsonl, checkpoints and summary.json to the run dir.
+
+    With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
+    its newest readable checkpoint is restored and training continues from it.
+    `stop_after_updates` stops (with a checkpoint) once that many updates are done in
+    all. Joins a multi-process run first when `config.distributed` asks for one.
     """
     if not jax.distributed.is_initialized():
         sharding.initialize_distributed(config.distributed)
@@ -244,10 +366,9 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     is_writer = jax.process_index() == 0
-    run_dir = claim_run_dir(config.run.dir, config.env.id) if is_writer else ""
+    run_dir = config.run.dir if resume else shared_run_dir(config)
     if is_writer:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
-            handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
+        write_config(run_dir, config)
     progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)
     where = f"writing to {run_dir}" if is_writer else "process 0 writes the results"
     progress.message(
@@ -255,29 +376,69 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
         f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; {where}"
     )
+    checkpointer = Checkpointer(run_dir, config.checkpoint.keep, config.checkpoint.async_save)
+    try:
+        return _train(experiment, config, run_dir, progress, checkpointer, resume, stop_after_updates)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+        progress.close()
+
+
+def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progress, checkpointer: Checkpointer,
+           resume: bool, stop_after_updates: Optional[int]) -> TrainResult:
+    topology, is_writer = experiment.topology, jax.process_index() == 0
     compile_start = time.perf_counter()
     state = experiment.init_state()
-    compiled = compile_chunks(experiment, state)
+    counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
+    restored_update = None
+    if resume:
+        state, counters = restore_run(experiment, checkpointer, run_dir, progress)
+        restored_update = counters.update
+        progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
+                         f"of {topology.num_updates}, {counters.env_steps:,} env steps done")
+    stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
+    sizes = chunk_plan(counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
+    compiled = compile_chunks(experiment, state, sizes)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
+    progress.update(counters.env_steps, 0.0, counters.final_episode_return)
 
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
     try:
-        loop = train_chunks(experiment, state, compiled, writer, progress)
+        with StopSignals(progress.message) as signals:
+            loop = train_chunks(experiment, state, compiled, sizes, counters, writer, progress, checkpointer, signals)
+    except NonFiniteError as error:
+        checkpointer.wait()
+        newest = checkpointer.latest_step()
+        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
+            else "no checkpoint had been saved"
+        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
     finally:
-        progress.close()
         if writer is not None:
             writer.close()
-    summary = summarise(experiment, loop, compile_seconds)
+    state, counters = loop.state, loop.counters
+    stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
+    if counters.update not in (loop.saved_update, restored_update):
+        checkpointer.save(state, counters)
+    checkpointer.wait()
+    if stopped_by is not None:
+        progress.message(
+            f"stopped{process_label()} by {stopped_by} after update {counters.update} of {topology.num_updates}; "
+            f"checkpoint {checkpointer.directory}/{counters.update}; continue with: "
+            f"python -m jaxddppo.train --resume {run_dir}"
+        )
+        return TrainResult(summary=None, state=state, run_dir=run_dir, counters=counters, stopped_by=stopped_by)
+    summary = summarise(experiment, state, counters, compile_seconds)
     if is_writer:
         write_json(os.path.join(run_dir, "summary.json"), summary)
     progress.message(
-        f"done{process_label()}: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
+        f"done{process_label()}: {summary['total_env_steps']:,} steps in {counters.train_seconds:.1f} s "
         f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "
         f"eval return {summary['eval_return_mean']:.1f} +- {summary['eval_return_std']:.1f}"
         + (f"; {run_dir}/summary.json" if is_writer else "")
     )
-    return TrainResult(summary=summary, state=loop.state, run_dir=run_dir)
+    return TrainResult(summary=summary, state=state, run_dir=run_dir, counters=counters)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -290,30 +451,44 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = _OneLineParser(
         prog="python -m jaxddppo.train",
         description="Train PPO (DD-PPO) on every local device. Options are set in a YAML file "
-        "(--config) and overridden as section.key=value.",
+        "(--config) and overridden as section.key=value; --resume continues a run from its newest checkpoint. "
+        f"Exit codes: 0 done, 1 failed (non-finite numbers, distributed errors), 2 bad input, "
+        f"{PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved (resume to continue).",
         epilog="configuration keys, set in the YAML file or as section.key=value (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
+    source.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR (its config.yaml and newest checkpoint); overrides may "
+                        f"change only {', '.join(RESUMABLE_KEYS)}")
+    parser.add_argument("--stop-after-updates", type=int, metavar="N",
+                        help="stop with a checkpoint once N updates are done in all (the run can be resumed)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override one option")
-    return parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.stop_after_updates is not None and args.stop_after_updates < 1:
+        parser.error(f"--stop-after-updates={args.stop_after_updates} must be at least 1")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
-        run(config)
-    except ConfigError as error:
+        if args.resume is not None:
+            config = load_resume_config(args.resume, args.overrides)
+        else:
+            config = load_config(args.config, args.overrides)
+        result = run(config, resume=args.resume is not None, stop_after_updates=args.stop_after_updates)
+    except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (sharding.DistributedError, sharding.ReplicaDivergence) as error:
+    except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return PREEMPTED_EXIT_CODE if result.preempted else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Checkpoints: the whole training state and the run's counters, saved with orbax.
+
+A checkpoint is `RUN_DIR/checkpoints/<update>/` holding the global `TrainState`
+(every shard's parameters, optimizer state, environment states and keys) and a
+small JSON record of the host-side counters. Orbax writes a step to a temporary
+directory and renames it when complete, so a save killed part-way never looks
+complete; `restore_latest` also skips (and names) any complete-looking step that
+cannot be read, falling back to the one before it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+class CheckpointError(Exception):
+    """No usable checkpoint; the message is one line naming the directory."""
+
+
+@dataclass(frozen=True)
+class RunCounters:
+    """Host-side state that continues across a resume."""
+
+    update: int  # updates done; also the checkpoint's step number
+    env_steps: int
+    train_seconds: float
+    final_episode_return: Optional[float]
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), CHECKPOINT_SUBDIR)
+
+
+class Checkpointer:
+    """Saves and restores `(TrainState, RunCounters)` under `RUN_DIR/checkpoints/`.
+
+    Every process of a multi-process run must make the same calls with the same
+    global arrays (orbax synchronises them). Saving is asynchronous where orbax
+    allows: `save` returns once the arrays are copied off the devices.
+    """
+
+    def __init__(self, run_dir: str, keep: int = 1, asynchronous: bool = True, read_only: bool = False):
+        """`read_only` (for reading a run that may still be training) deletes and creates nothing."""
+        self.directory = checkpoint_dir(run_dir)
+        if read_only and not os.path.isdir(self.directory):
+            raise CheckpointError(f"no checkpoint directory {self.directory}")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep,
+                create=not read_only,
+                cleanup_tmp_directories=not read_only,
+                enable_async_checkpointing=asynchronous,
+            ),
+        )
+
+    def steps(self) -> list[int]:
+        """The complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, state: Any, counters: RunCounters) -> None:
+        self._manager.save(
+            counters.update,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                counters=ocp.args.JsonSave(asdict(counters)),
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, RunCounters]:
+        """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings)."""
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                counters=ocp.args.JsonRestore(),
+            ),
+        )
+        return restored["state"], RunCounters(**restored["counters"])
+
+    def restore_latest(self, abstract_state: Any, report: Callable[[str], None],
+                       set_aside: bool = False) -> tuple[Any, RunCounters]:
+        """The newest checkpoint that restores; each unreadable newer one is named via `report`.
+
+        With `set_aside` (a run that will save again), an unreadable step directory is
+        renamed to `<step>.unreadable` (kept for inspection) so that its step can be saved anew.
+        """
+        steps = self.steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        unreadable = []
+        try:
+            for step in reversed(steps):
+                try:
+                    return self.restore(step, abstract_state)
+                except Exception as error:  # orbax and tensorstore raise many types for damaged files
+                    unreadable.append(step)
+                    detail = " ".join(str(error).split())[:160]
+                    moved = f", moved to {step}.unreadable" if set_aside else ""
+                    report(f"checkpoint {os.path.join(self.directory, str(step))} is unreadable, skipped{moved} "
+                           f"({type(error).__name__}: {detail})")
+            raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in {self.directory} can be read")
+        finally:
+            if set_aside and unreadable:
+                self._set_aside(unreadable)
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if jax.process_index() == 0:
+            for step in steps:
+                path = os.path.join(self.directory, str(step))
+                os.replace(path, f"{path}.unreadable")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxddppo: unreadable checkpoints set aside")
+        self._manager.reload()
+
+    def wait(self) -> None:
+        """Block until every started save is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped early on a signal, checkpoint saved; resume to continue
+
+
+class StopSignals:
+    """Turns SIGTERM and a first SIGINT into a request to stop at the next update boundary.
+
+    A second SIGINT gets the default handling (the process dies at once). The
+    handlers are installed on `__enter__` (from the main thread only) and the
+    previous ones restored on `__exit__`. In a multi-process run, `agreed` makes
+    every process see a request that any one of them received, so all of them
+    save the same update.
+    """
+
+    def __init__(self, announce: Callable[[str], None]):
+        self._announce = announce
+        self._previous: dict[int, Any] = {}
+        self.received: Optional[str] = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self._announce("SIGINT: stopping at the next update boundary (press Ctrl-C again to abort without saving)")
+        else:
+            self._announce(f"{self.received}: stopping at the next update boundary")
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def agreed(self) -> Optional[str]:
+        """The signal that asked to stop, if any process received one (a collective: call on every process)."""
+        if jax.process_count() == 1:
+            return self.received
+        flags = multihost_utils.process_allgather(np.asarray(self.received is not None, np.int32))
+        if not np.any(flags):
+            return None
+        return self.received or "another process's signal"

@@ -1,0 +1,86 @@
+"""Evaluate a trained run: `python -m jaxddppo.evaluate RUN_DIR [--episodes N] [--seed S]`.
+
+Loads the newest readable checkpoint (or `--checkpoint STEP`), runs N episodes
+with the deterministic policy on device, and prints the return and length
+statistics. With the defaults (the run's `eval.num_episodes` and its evaluation
+key) it reproduces the run's own final evaluation in summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxddppo.checkpoint import CheckpointError
+from jaxddppo.config import ConfigError
+from jaxddppo.evaluation import EvalResult, evaluate_policy
+from jaxddppo.policy import Policy, load_policy
+from jaxddppo.train import final_eval_key
+
+
+def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[int] = None) -> EvalResult:
+    """`num_episodes` deterministic episodes (default: the run's eval.num_episodes).
+
+    Without `seed`, the key of the run's final evaluation, so the result equals summary.json's.
+    """
+    episodes = policy.config.eval.num_episodes if num_episodes is None else num_episodes
+    key = final_eval_key(policy.config) if seed is None else jax.random.key(seed)
+    return jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(policy.env, policy.network, policy.params, key, episodes)
+
+
+def statistics(result: EvalResult) -> dict:
+    """Mean, std, min and max of the episode returns and lengths."""
+    stats = {}
+    for name, values in (("return", result.returns), ("length", result.lengths)):
+        values = np.asarray(values, np.float64)
+        stats.update({f"{name}_mean": float(values.mean()), f"{name}_std": float(values.std()),
+                      f"{name}_min": float(values.min()), f"{name}_max": float(values.max())})
+    return stats
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _OneLineParser(prog="python -m jaxddppo.evaluate",
+                            description="Evaluate the deterministic policy of a run's checkpoint.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by python -m jaxddppo.train")
+    parser.add_argument("--episodes", type=int, help="episodes to run (default: the run's eval.num_episodes)")
+    parser.add_argument("--seed", type=int, help="evaluation seed (default: the key of the run's final evaluation)")
+    parser.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint to load (default: the newest)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    args = parser.parse_args(argv)
+    if args.episodes is not None and args.episodes < 1:
+        parser.error(f"--episodes={args.episodes} must be at least 1")
+    try:
+        policy = load_policy(args.run_dir, args.checkpoint, report=lambda message: print(message, file=sys.stderr))
+    except (ConfigError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError:
+        print(f"error: --checkpoint {args.checkpoint}: no such checkpoint in {args.run_dir}", file=sys.stderr)
+        return 2
+    stats = statistics(evaluate(policy, args.episodes, args.seed))
+    episodes = policy.config.eval.num_episodes if args.episodes is None else args.episodes
+    if args.json:
+        print(json.dumps({"run_dir": args.run_dir, "update": policy.counters.update,
+                          "env_steps": policy.counters.env_steps, "episodes": episodes, **stats}))
+        return 0
+    print(f"{policy.config.env.id}, checkpoint at update {policy.counters.update} "
+          f"({policy.counters.env_steps:,} env steps), {episodes} episodes")
+    for name in ("return", "length"):
+        print(f"  {name:6s} mean {stats[f'{name}_mean']:.2f}  std {stats[f'{name}_std']:.2f}  "
+              f"min {stats[f'{name}_min']:.2f}  max {stats[f'{name}_max']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

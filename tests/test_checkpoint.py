@@ -1,0 +1,274 @@
+"""Checkpoints, exact resume, preemption, hard kills, non-finite guard, and loading a trained policy."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxddppo import sharding
+from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer
+from jaxddppo.config import ConfigError, from_dict, load_resume_config
+from jaxddppo.evaluate import evaluate, statistics
+from jaxddppo.logging import truncate_metrics
+from jaxddppo.policy import load_policy
+from jaxddppo.train import NonFiniteError, build, chunk_plan, run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4.
+SMALL = {
+    "env": {"num_envs": 8},
+    "ppo": {"num_steps": 16},
+    "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
+    "checkpoint": {"every_updates": 4},
+    "eval": {"num_episodes": 4},
+    "run": {"progress": False},
+}
+
+
+def small_config(run_dir: Path, **sections: dict):
+    values = {name: dict(section) for name, section in SMALL.items()}
+    for name, section in sections.items():
+        values.setdefault(name, {}).update(section)
+    values["run"]["dir"] = str(run_dir)
+    return from_dict(values)
+
+
+def leaves(tree) -> list[np.ndarray]:
+    """Every leaf on the host, typed keys as their raw key data."""
+    def raw(leaf):
+        return jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(sharding.all_shards(jax.tree.map(raw, tree)))]
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_wall_time(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "wall_seconds"} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def one_go(tmp_path_factory):
+    """The reference: the small run done in one go on 4 devices."""
+    run_dir = tmp_path_factory.mktemp("one_go") / "run"
+    return run(small_config(run_dir), devices=jax.devices()[:4])
+
+
+def test_chunk_plan_cuts_at_chunks_checkpoints_and_the_stop():
+    assert chunk_plan(0, 12, 4, 4) == [4, 4, 4]
+    assert chunk_plan(0, 10, 4, 0) == [4, 4, 2]
+    assert chunk_plan(0, 12, 4, 6) == [4, 2, 2, 4]
+    assert chunk_plan(6, 12, 4, 4) == [2, 4]
+    assert chunk_plan(12, 12, 4, 4) == []
+
+
+def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
+    run_dir = tmp_path / "run"
+    first = run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=6)
+    assert first.summary is None and first.stopped_by == "stop_after_updates" and first.counters.update == 6
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["4", "6"]
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert resumed.counters.update == 12
+    for got, want in zip(leaves(resumed.state), leaves(one_go.state), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
+    assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(one_go.run_dir)))
+
+
+def test_elastic_resume_on_fewer_devices_matches_within_tolerance(one_go, tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:2], resume=True)
+    assert resumed.summary["num_devices"] == 2 and resumed.summary["num_shards"] == 4
+    for got, want in zip(leaves(resumed.state.params), leaves(one_go.state.params), strict=True):
+        assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-12)
+    np.testing.assert_allclose(resumed.summary["params_digest"], one_go.summary["params_digest"], rtol=1e-5)
+
+
+def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):
+    with pytest.raises(ConfigError, match=r"^ppo\.learning_rate=0\.1 cannot change on resume"):
+        load_resume_config(one_go.run_dir, ["ppo.learning_rate=0.1"])
+    with pytest.raises(ConfigError, match=r"^train\.num_shards=2 cannot change on resume"):
+        load_resume_config(one_go.run_dir, ["train.num_shards=2"])
+    with pytest.raises(ConfigError, match="run directory /nonexistent does not exist"):
+        load_resume_config("/nonexistent")
+    config = load_resume_config(one_go.run_dir, ["train.total_env_steps=4096", "checkpoint.keep=5"])
+    assert config.train.total_env_steps == 4096 and config.checkpoint.keep == 5
+
+
+def test_keep_limits_the_checkpoints_kept(tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir, checkpoint={"every_updates": 2, "keep": 2}), devices=jax.devices()[:4])
+    assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["10", "12"]
+
+
+def corrupt(step_dir: Path) -> None:
+    for path in (step_dir / "state").rglob("*"):
+        if path.is_file():
+            path.write_bytes(os.urandom(max(path.stat().st_size, 16)))
+
+
+def test_corrupted_newest_checkpoint_is_named_and_the_previous_one_used(one_go, tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=8)
+    corrupt(run_dir / "checkpoints" / "8")
+    reports: list[str] = []
+    experiment = build(load_resume_config(str(run_dir)), devices=jax.devices()[:4])
+    checkpointer = Checkpointer(str(run_dir), read_only=True)
+    _, counters = checkpointer.restore_latest(experiment.abstract_state(), reports.append)
+    assert counters.update == 4
+    assert len(reports) == 1 and f"{run_dir / 'checkpoints' / '8'} is unreadable, skipped" in reports[0]
+    # A resume from the older checkpoint still finishes exactly as the run done in one go.
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
+    assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, 13))
+    assert (run_dir / "checkpoints" / "8.unreadable").is_dir()
+
+
+def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:4])
+    corrupt(run_dir / "checkpoints" / "4")
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", str(run_dir)], env=cli_env(1),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == f"error: none of the 1 checkpoint(s) in {run_dir / 'checkpoints'} can be read", lines
+    assert "is unreadable, skipped" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
+    saved = sorted(os.listdir(run_dir / "checkpoints"))
+    explosive = small_config(run_dir, ppo={"learning_rate": 1e38})
+    with pytest.raises(NonFiniteError, match=r"^non-finite \w+ at update 5; stopped without saving it; "
+                                             r"the newest checkpoint, .*/checkpoints/4, is intact$"):
+        run(explosive, devices=jax.devices()[:4], resume=True)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == saved
+    policy = load_policy(str(run_dir))
+    assert policy.counters.update == 4
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(policy.params))
+
+
+def test_truncate_metrics_drops_later_rows_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"update": u}) + "\n" for u in range(1, 6)) + '{"update": 6, "pol')
+    assert truncate_metrics(str(path), 3) == 3
+    assert [json.loads(line)["update"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    path.write_text(json.dumps({"update": 1}) + "\n" + '{"update": 2, "pol')
+    assert truncate_metrics(str(path), 7) == 1
+
+
+# --- the command line: signals and hard kills -------------------------------------------------------
+
+def cli_env(num_devices: int) -> dict:
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(REPO_ROOT))
+    return env
+
+
+# Endless unless stopped: 1e9 steps; progress lines every chunk (stderr is not a terminal).
+LONG_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=8", "ppo.num_steps=16",
+            "ppo.anneal_lr=false", "train.total_env_steps=1000000000", "train.updates_per_chunk=2",
+            "eval.num_episodes=4"]
+
+
+def start_training(args: list[str], log: Path) -> subprocess.Popen:
+    handle = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "jaxddppo.train", *args], env=cli_env(1),
+                            stdout=handle, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_training(process: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Until the first progress line (the first chunk is done)."""
+    deadline = time.monotonic() + timeout
+    while "env steps" not in log.read_text():
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "no progress line in time"
+        time.sleep(0.1)
+
+
+def finish(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxddppo.train", "--resume", str(run_dir), *extra],
+                          env=cli_env(1), capture_output=True, text=True, timeout=300)
+
+
+def test_sigterm_saves_reports_and_resumes(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    process = start_training([*LONG_RUN, f"run.dir={run_dir}"], log)
+    wait_for_training(process, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()
+    output = log.read_text()
+    assert "Traceback" not in output
+    stopped_at = int(output.split("stopped by SIGTERM after update ")[1].split()[0])
+    assert str(stopped_at) in os.listdir(run_dir / "checkpoints")
+    assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 1))
+    total = (stopped_at + 2) * 128
+    result = finish(run_dir, [f"train.total_env_steps={total}"])
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {run_dir / 'checkpoints'}/{stopped_at}" in result.stderr
+    assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 3))
+    assert json.loads((run_dir / "summary.json").read_text())["num_updates"] == stopped_at + 2
+
+
+def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
+    """Killed three times (saves are in flight at almost every moment), resumed each time, then finished."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    every_update = ["checkpoint.every_updates=1", "checkpoint.keep=2"]
+    rng = random.Random(0)
+    args = [*LONG_RUN, f"run.dir={run_dir}", *every_update]
+    for attempt in range(3):
+        process = start_training(args, log)
+        wait_for_training(process, log)
+        time.sleep(rng.uniform(0.0, 1.0))
+        process.kill()
+        process.wait()
+        args = ["--resume", str(run_dir)]
+    done = max(int(step) for step in os.listdir(run_dir / "checkpoints") if step.isdigit())
+    result = finish(run_dir, [f"train.total_env_steps={(done + 2) * 128}"])
+    assert result.returncode == 0, result.stderr
+    updates = [row["update"] for row in metric_rows(run_dir)]
+    assert updates == list(range(1, done + 3))
+
+
+def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", one_go.run_dir, "--json"],
+                            env=cli_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)
+    assert printed["update"] == 12 and printed["episodes"] == 4
+    assert printed["return_mean"] == one_go.summary["eval_return_mean"]
+    assert printed["return_std"] == pytest.approx(one_go.summary["eval_return_std"], abs=0)
+    assert printed["length_mean"] == one_go.summary["eval_length_mean"]
+
+
+def test_load_policy_acts_like_the_trained_params(one_go):
+    policy = load_policy(one_go.run_dir)
+    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(sharding.first_shard(one_go.state.params)),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+    obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    dist, _ = policy.network.apply(policy.params, obs)
+    np.testing.assert_array_equal(np.asarray(policy(obs)), np.asarray(dist.mode()))
+    act = jax.jit(jax.vmap(functools.partial(policy.act, deterministic=False), in_axes=(None, 0, 0)))
+    sampled = act(policy.params, obs[:, None], jax.random.split(jax.random.key(0), 16))
+    assert sampled.shape == (16, 1) and set(np.unique(sampled)) <= {0, 1}
+    stats = statistics(evaluate(policy))
+    assert stats["return_mean"] == one_go.summary["eval_return_mean"]
