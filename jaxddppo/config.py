@@ -96,7 +96,7 @@ class RunConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_updates: int = _opt(
-        100, "save a checkpoint every this many updates (0: only at the end and when stopped by a signal)"
+        128, "save a checkpoint every this many updates (0: only at the end and when stopped by a signal)"
     )
     keep: int = _opt(3, "newest checkpoints kept in RUN_DIR/checkpoints; older ones are deleted")
     async_save: bool = _opt(True, "write checkpoints in the background while training goes on")

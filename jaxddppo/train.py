@@ -8,11 +8,12 @@ write the summary at the end.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -225,26 +226,40 @@ def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
     return float((returns * counts).sum() / counts.sum())
 
 
-def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> list[int]:
+def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> Iterator[int]:
     """Sizes of the chunks from update `start` to `stop`: cut at every multiple of
     `updates_per_chunk` and of `checkpoint_every` (0: no checkpoint cuts)."""
-    sizes, update = [], start
+    update = start
     while update < stop:
         boundary = min(stop, (update // updates_per_chunk + 1) * updates_per_chunk)
         if checkpoint_every:
             boundary = min(boundary, (update // checkpoint_every + 1) * checkpoint_every)
-        sizes.append(boundary - update)
+        yield boundary - update
         update = boundary
-    return sizes
+
+
+def chunk_sizes_needed(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> set[int]:
+    """The distinct sizes of `chunk_plan(...)`, without walking a long run chunk by chunk.
+
+    The cuts repeat with period lcm(updates_per_chunk, checkpoint_every), so the sizes
+    are those before the first period boundary, within one period, and after the last.
+    """
+    period = math.lcm(updates_per_chunk, checkpoint_every) if checkpoint_every else updates_per_chunk
+    first_boundary = min(stop, -(-start // period) * period)
+    last_boundary = max(first_boundary, stop // period * period)
+    sizes = set(chunk_plan(start, first_boundary, updates_per_chunk, checkpoint_every))
+    if last_boundary > first_boundary:
+        sizes |= set(chunk_plan(0, period, updates_per_chunk, checkpoint_every))
+    return sizes | set(chunk_plan(last_boundary, stop, updates_per_chunk, checkpoint_every))
 
 
 def process_label() -> str:
     return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
 
 
-def compile_chunks(experiment: Experiment, state: TrainState, sizes: Sequence[int]) -> dict[int, Any]:
-    """The compiled learn call for every distinct chunk size in `sizes`."""
-    return {size: experiment.learn_fn(size).lower(state).compile() for size in sorted(set(sizes))}
+def compile_chunks(experiment: Experiment, state: TrainState, sizes: Iterable[int]) -> dict[int, Any]:
+    """The compiled learn call for every chunk size in `sizes`."""
+    return {size: experiment.learn_fn(size).lower(state).compile() for size in sorted(sizes)}
 
 
 @dataclass(frozen=True)
@@ -255,7 +270,7 @@ class LoopResult:
     stopped_by: Optional[str]
 
 
-def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any], sizes: Sequence[int],
+def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any], sizes: Iterable[int],
                  counters: RunCounters, writer: Optional[MetricsWriter], progress: Progress,
                  checkpointer: Checkpointer, signals: StopSignals) -> LoopResult:
     """Call, block, time, log, check, checkpoint: the host loop over chunks of updates.
@@ -334,11 +349,21 @@ def final_eval_key(config: Config) -> jax.Array:
     return jax.random.fold_in(jax.random.key(config.train.seed), 2)
 
 
-def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str, progress: Progress) -> tuple[TrainState, RunCounters]:
-    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0)."""
-    state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
-    topology = experiment.topology
-    if counters.update > topology.num_updates:
+def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str, progress: Progress,
+                state: TrainState) -> tuple[TrainState, RunCounters]:
+    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0).
+
+    A run stopped before its first checkpoint completed starts again from `state`
+    (update 0); its metrics rows are written anew, identical.
+    """
+    counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
+    if checkpointer.steps():
+        state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
+        progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
+                         f"of {experiment.topology.num_updates}, {counters.env_steps:,} env steps done")
+    else:
+        progress.message(f"no checkpoint in {checkpointer.directory} yet: starting again from update 0")
+    if counters.update > experiment.topology.num_updates:
         raise ConfigError(
             f"train.total_env_steps={experiment.config.train.total_env_steps} is below the "
             f"{counters.env_steps} env steps the checkpoint at update {counters.update} has done"
@@ -393,13 +418,11 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
     restored_update = None
     if resume:
-        state, counters = restore_run(experiment, checkpointer, run_dir, progress)
-        restored_update = counters.update
-        progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
-                         f"of {topology.num_updates}, {counters.env_steps:,} env steps done")
+        state, counters = restore_run(experiment, checkpointer, run_dir, progress, state)
+        restored_update = counters.update if counters.update else None
     stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
-    sizes = chunk_plan(counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
-    compiled = compile_chunks(experiment, state, sizes)
+    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
+    compiled = compile_chunks(experiment, state, chunk_sizes_needed(*plan))
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
     progress.update(counters.env_steps, 0.0, counters.final_episode_return)
@@ -407,7 +430,7 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
     try:
         with StopSignals(progress.message) as signals:
-            loop = train_chunks(experiment, state, compiled, sizes, counters, writer, progress, checkpointer, signals)
+            loop = train_chunks(experiment, state, compiled, chunk_plan(*plan), counters, writer, progress, checkpointer, signals)
     except NonFiniteError as error:
         checkpointer.wait()
         newest = checkpointer.latest_step()

@@ -22,7 +22,7 @@ from jaxddppo.config import ConfigError, from_dict, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
 from jaxddppo.policy import load_policy
-from jaxddppo.train import NonFiniteError, build, chunk_plan, run
+from jaxddppo.train import NonFiniteError, build, chunk_plan, chunk_sizes_needed, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +69,19 @@ def one_go(tmp_path_factory):
 
 
 def test_chunk_plan_cuts_at_chunks_checkpoints_and_the_stop():
-    assert chunk_plan(0, 12, 4, 4) == [4, 4, 4]
-    assert chunk_plan(0, 10, 4, 0) == [4, 4, 2]
-    assert chunk_plan(0, 12, 4, 6) == [4, 2, 2, 4]
-    assert chunk_plan(6, 12, 4, 4) == [2, 4]
-    assert chunk_plan(12, 12, 4, 4) == []
+    assert list(chunk_plan(0, 12, 4, 4)) == [4, 4, 4]
+    assert list(chunk_plan(0, 10, 4, 0)) == [4, 4, 2]
+    assert list(chunk_plan(0, 12, 4, 6)) == [4, 2, 2, 4]
+    assert list(chunk_plan(6, 12, 4, 4)) == [2, 4]
+    assert list(chunk_plan(12, 12, 4, 4)) == []
+
+
+@pytest.mark.parametrize("start,stop,per_chunk,every", [
+    (0, 1000, 16, 128), (0, 1000, 16, 100), (37, 1000, 16, 100), (5, 7, 16, 100), (0, 999, 7, 0),
+    (3, 3, 4, 4), (0, 977, 16, 1), (250, 260, 16, 12),
+])
+def test_chunk_sizes_needed_equals_the_plans_distinct_sizes(start, stop, per_chunk, every):
+    assert chunk_sizes_needed(start, stop, per_chunk, every) == set(chunk_plan(start, stop, per_chunk, every))
 
 
 def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
@@ -228,24 +236,35 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["num_updates"] == stopped_at + 2
 
 
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    directory = run_dir / "checkpoints"
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if directory.is_dir() else []
+
+
 def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
-    """Killed three times (saves are in flight at almost every moment), resumed each time, then finished."""
+    """Killed three times while saving every update, resumed each time, then finished.
+
+    The first kill may come before any checkpoint is complete (the resume starts
+    again from update 0); the later ones come once one is, amid saves in flight.
+    """
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    every_update = ["checkpoint.every_updates=1", "checkpoint.keep=2"]
     rng = random.Random(0)
-    args = [*LONG_RUN, f"run.dir={run_dir}", *every_update]
+    args = [*LONG_RUN, f"run.dir={run_dir}", "checkpoint.every_updates=1", "checkpoint.keep=2"]
     for attempt in range(3):
         process = start_training(args, log)
         wait_for_training(process, log)
+        deadline = time.monotonic() + 120
+        while attempt > 0 and not complete_checkpoints(run_dir):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.0))
         process.kill()
         process.wait()
         args = ["--resume", str(run_dir)]
-    done = max(int(step) for step in os.listdir(run_dir / "checkpoints") if step.isdigit())
+    done = max(complete_checkpoints(run_dir), default=0)
     result = finish(run_dir, [f"train.total_env_steps={(done + 2) * 128}"])
     assert result.returncode == 0, result.stderr
-    updates = [row["update"] for row in metric_rows(run_dir)]
-    assert updates == list(range(1, done + 3))
+    assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, done + 3))
 
 
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):

@@ -147,3 +147,48 @@ def test_launcher_stops_every_process_when_a_worker_dies(tmp_path):
     assert launcher.returncode != 0
     assert "process 1 exited with status -9 (killed by SIGKILL)" in stderr
     assert not processes_mentioning(str(run_dir)), "a worker outlived the launcher"
+
+
+def start_workers(args: list[str], port: int, log_dir: Path) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxddppo.train", *args, f"distributed.coordinator=127.0.0.1:{port}",
+             "distributed.num_processes=2", f"distributed.process_id={process_id}", "distributed.init_timeout=120"],
+            env=train_env(1), stdout=open(log_dir / f"worker{process_id}.log", "w"), stderr=subprocess.STDOUT,
+        )
+        for process_id in range(2)
+    ]
+
+
+def wait_all(workers: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+    try:
+        return [worker.wait(timeout=timeout) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_update_and_they_resume(tmp_path):
+    run_dir = tmp_path / "run"
+    long_run = SMALL_RUN + ["train.total_env_steps=100000000", "train.updates_per_chunk=1", f"run.dir={run_dir}",
+                            "ppo.anneal_lr=false"]
+    workers = start_workers(long_run, free_port(), tmp_path)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.stat().st_size > 0):
+        assert all(w.poll() is None for w in workers) and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    workers[1].send_signal(signal.SIGTERM)
+    codes = wait_all(workers)
+    logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    assert codes == [75, 75], logs
+    stops = [int(log.split(" after update ")[1].split()[0]) for log in logs]
+    assert "stopped (process 1 of 2) by SIGTERM" in logs[1]
+    assert "stopped (process 0 of 2) by another process's signal" in logs[0]
+    assert stops[0] == stops[1] and str(stops[0]) in os.listdir(run_dir / "checkpoints")
+
+    resume = ["--resume", str(run_dir), f"train.total_env_steps={(stops[0] + 2) * 256}"]
+    codes = wait_all(start_workers(resume, free_port(), tmp_path))
+    logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], logs
+    assert [json.loads(line)["update"] for line in metrics.read_text().splitlines()] == list(range(1, stops[0] + 3))
