@@ -20,9 +20,10 @@ import numpy as np
 from jaxddppo import sharding
 from jaxddppo.config import Config, ConfigError, help_text, load_config, to_yaml
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.evaluation import evaluate_policy
-from jaxddppo.logging import METRIC_FIELDS, MetricsWriter, Progress, write_json
+from jaxddppo.evaluation import EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.logging import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
+from jaxddppo.plot import save_learning_curve
 from jaxddppo.ppo import (
     PPOHyperparams,
     TrainState,
@@ -67,6 +68,22 @@ class Experiment:
             return jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=num_updates)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
+
+    def eval_fn(self) -> Callable[[Any, jax.Array, jax.Array], EvalStats]:
+        """`(params, update_index, shard_index) -> EvalStats`, every argument and leaf [num_shards].
+
+        The evaluation after update `u` uses the same episode keys whatever the shard count.
+        """
+        config, topology = self.config, self.topology
+        eval_root = jax.random.fold_in(jax.random.key(config.train.seed), 3)
+
+        def evaluate(params: Any, update_index: jax.Array, shard_index: jax.Array) -> EvalStats:
+            return evaluate_on_shards(
+                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard_index,
+                config.eval.num_episodes, topology.num_shards,
+            )
+
+        return sharding.shard_parallel(evaluate, self.mesh)
 
 
 def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
@@ -126,9 +143,21 @@ def claim_run_dir(path: Optional[str], env_id: str) -> str:
             raise ConfigError(f"run.dir={candidate!r} cannot be created: {error.strerror}") from None
 
 
+def eval_fields(evaluation: Optional[EvalStats]) -> dict[str, Optional[float]]:
+    """The eval_* fields of a metrics row: null on rows without an evaluation."""
+    if evaluation is None:
+        return {"eval_return_mean": None, "eval_return_std": None, "eval_length_mean": None}
+    return {
+        "eval_return_mean": float(evaluation.return_mean),
+        "eval_return_std": float(evaluation.return_std),
+        "eval_length_mean": float(evaluation.length_mean),
+    }
+
+
 def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
-                 wall_seconds: float) -> list[dict]:
-    """One dict per update from the metrics of one chunk (host arrays [num_updates])."""
+                 wall_seconds: float, evaluation: Optional[EvalStats] = None) -> list[dict]:
+    """One dict per update from the metrics of one chunk (host arrays [num_updates]);
+    `evaluation`, if any, ran after the chunk's last update and goes on its row."""
     columns = {name: np.asarray(value, np.float64) for name, value in vars(metrics).items()}
     rows = []
     for offset in range(len(columns["policy_loss"])):
@@ -140,7 +169,10 @@ def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update
         }
         row.update({name: float(values[offset]) for name, values in columns.items()})
         row["episodes_completed"] = int(row["episodes_completed"])
+        row.update(eval_fields(None))
         rows.append(row)
+    if evaluation is not None:
+        rows[-1].update(eval_fields(evaluation))
     assert set(rows[0]) == set(METRIC_FIELDS), "metrics.jsonl fields and their documentation differ"
     return rows
 
@@ -171,6 +203,32 @@ def compile_chunks(experiment: Experiment, state: TrainState) -> dict[int, Any]:
 
 
 @dataclass(frozen=True)
+class PeriodicEval:
+    """The compiled evaluation and its cadence. Every process calls it after the same
+    chunks: it is a collective over all shards."""
+
+    every_updates: int
+    evaluate: Callable[[Any, jax.Array, jax.Array], EvalStats]
+    shard_indices: jax.Array
+
+    def after(self, state: TrainState, updates_done: int) -> Optional[EvalStats]:
+        """Evaluate the current policy if `updates_done` is on the cadence; host statistics or None."""
+        if updates_done % self.every_updates:
+            return None
+        return sharding.first_shard(self.evaluate(state.params, state.update_index, self.shard_indices))
+
+
+def compile_periodic_eval(experiment: Experiment, state: TrainState) -> Optional[PeriodicEval]:
+    """The periodic evaluation, compiled, or None when `eval.every_updates` is 0."""
+    every_updates = experiment.config.eval.every_updates
+    if every_updates == 0:
+        return None
+    indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
+    compiled = experiment.eval_fn().lower(state.params, state.update_index, indices).compile()
+    return PeriodicEval(every_updates, compiled, indices)
+
+
+@dataclass(frozen=True)
 class LoopResult:
     state: TrainState
     train_seconds: float
@@ -178,7 +236,8 @@ class LoopResult:
 
 
 def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any],
-                 writer: Optional[MetricsWriter], progress: Progress) -> LoopResult:
+                 writer: Optional[MetricsSink], progress: Progress,
+                 periodic_eval: Optional[PeriodicEval] = None) -> LoopResult:
     """Call, block, time, log: the host loop over chunks of updates."""
     topology = experiment.topology
     train_seconds, updates_done, last_return = 0.0, 0, None
@@ -188,8 +247,10 @@ def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, 
         metrics = sharding.first_shard(metrics)  # blocks until the chunk is done
         chunk_seconds = time.perf_counter() - chunk_start
         train_seconds += chunk_seconds
+        evaluation = periodic_eval.after(state, updates_done + size) if periodic_eval is not None else None
         if writer is not None:
-            writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds))
+            writer.write(metrics_rows(metrics, updates_done, topology.env_steps_per_update, train_seconds,
+                                      evaluation))
         updates_done += size
         if experiment.config.debug.check_replicas:
             sharding.check_replicas(state.params, experiment.mesh, updates_done)
@@ -234,7 +295,8 @@ def summarise(experiment: Experiment, loop: LoopResult, compile_seconds: float) 
 
 
 def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> TrainResult:
-    """Train with `config`, writing config.yaml, metrics.jsonl and summary.json to the run dir.
+    """Train with `config`, writing config.yaml, metrics.jsonl, summary.json and
+    learning_curve.png (and TensorBoard events if asked) to the run dir.
 
     Joins a multi-process run first when `config.distributed` asks for one.
     """
@@ -258,12 +320,13 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
     compile_start = time.perf_counter()
     state = experiment.init_state()
     compiled = compile_chunks(experiment, state)
+    periodic_eval = compile_periodic_eval(experiment, state)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
-    writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
+    writer = open_metrics_sink(run_dir, config.run.tensorboard) if is_writer else None
     try:
-        loop = train_chunks(experiment, state, compiled, writer, progress)
+        loop = train_chunks(experiment, state, compiled, writer, progress, periodic_eval)
     finally:
         progress.close()
         if writer is not None:
@@ -271,6 +334,7 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Train
     summary = summarise(experiment, loop, compile_seconds)
     if is_writer:
         write_json(os.path.join(run_dir, "summary.json"), summary)
+        save_learning_curve(run_dir)
     progress.message(
         f"done{process_label()}: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
         f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "
