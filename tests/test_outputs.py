@@ -8,40 +8,20 @@
 """
 
 import json
-import struct as binary
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from PIL import Image
 
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.evaluation import evaluate_policy
 from jaxddppo.logging import METRIC_FIELDS
-from jaxddppo.plot import DPI, FIGURE_SIZE
 from jaxddppo.train import build, run
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PNG_SHAPE = (int(FIGURE_SIZE[1] * DPI), int(FIGURE_SIZE[0] * DPI))  # rows, columns
 
 # Per-shard sums, an all-reduce, then a scale: float32 reduction order only.
 EVAL_RTOL = 1e-6
-
-
-def assert_real_png(path: Path) -> None:
-    """A PNG by signature and header, of the figure's size, that decodes to a picture (not one colour)."""
-    data = path.read_bytes()
-    assert data[:8] == PNG_SIGNATURE, data[:8]
-    assert data[12:16] == b"IHDR"
-    width, height = binary.unpack(">II", data[16:24])
-    assert (height, width) == PNG_SHAPE
-    with Image.open(path) as image:
-        image.load()  # decodes every chunk, checking their CRCs
-        pixels = np.asarray(image.convert("RGB"))
-    assert pixels.shape == PNG_SHAPE + (3,)
-    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 10, "the image is (nearly) one colour"
 
 
 def small_config(tmp_path: Path, **sections) -> dict:
@@ -175,7 +155,7 @@ def test_tensorboard_scalars_read_back_equal_metrics_jsonl(logged_run):
         assert read == logged, tag  # TensorBoard stores float32
 
 
-def test_run_ends_with_a_learning_curve_png(logged_run):
+def test_run_ends_with_a_learning_curve_png(logged_run, assert_real_png):
     _, result, _ = logged_run
     assert_real_png(Path(result.run_dir) / "learning_curve.png")
 
