@@ -14,7 +14,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from jaxddppo.plot import RunDirError, draw_curve, draw_run, load_run, main, read_metrics
+from jaxddppo.plot import draw_curve, draw_run, load_run, main, read_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
