@@ -84,13 +84,18 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    num_episodes: int = _opt(32, "episodes of the final deterministic evaluation")
+    num_episodes: int = _opt(32, "episodes of every deterministic evaluation (periodic and final)")
+    every_updates: int = _opt(
+        0, "evaluate every this many updates during training, between chunks (0: only at the end); "
+        "a multiple of train.updates_per_chunk"
+    )
 
 
 @dataclass(frozen=True)
 class RunConfig:
     dir: Optional[str] = _opt(None, "output directory (default: runs/<env>-<timestamp>)")
     progress: bool = _opt(True, "show progress (a bar on a terminal, else one line per chunk)")
+    tensorboard: bool = _opt(False, "also write every metrics.jsonl field as a TensorBoard scalar into the run dir")
 
 
 @dataclass(frozen=True)
@@ -367,6 +372,8 @@ def validate(config: Config) -> None:
     _check(config.checkpoint.every_updates >= 0, "checkpoint.every_updates", config.checkpoint.every_updates,
            "must be >= 0 (0: only at the end)")
     _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
+    _check(config.eval.every_updates >= 0, "eval.every_updates", config.eval.every_updates,
+           "must be >= 0 (0: evaluate only at the end)")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
     _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
     for key in ("gamma", "gae_lambda"):

@@ -1,4 +1,10 @@
-"""Deterministic evaluation of a policy on device: one episode per environment."""
+"""Deterministic evaluation of a policy on device: one episode per environment.
+
+`evaluate_policy` runs a batch of episodes on one device. `evaluate_on_shards`
+splits a fixed set of episodes over every shard and reduces the statistics over
+all of them; each episode's key comes from its global episode index, so the
+result does not depend on how many shards or devices run it.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,22 @@ from flax import struct
 
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic
+from jaxddppo.sharding import pmean_over_shards
 
 
 @struct.dataclass
 class EvalResult:
     returns: jax.Array  # [num_episodes]
     lengths: jax.Array  # [num_episodes]
+
+
+@struct.dataclass
+class EvalStats:
+    """Statistics over every episode of one evaluation, identical on every shard."""
+
+    return_mean: jax.Array
+    return_std: jax.Array  # population standard deviation, as numpy's std
+    length_mean: jax.Array
 
 
 @struct.dataclass
@@ -59,3 +75,31 @@ def evaluate_policy(
 
     final = jax.lax.while_loop(not_done, step, init)
     return EvalResult(returns=final.returns, lengths=final.lengths)
+
+
+def episodes_per_shard(num_episodes: int, num_shards: int) -> int:
+    """Episodes each shard runs; the last shards may run a few beyond `num_episodes`, which are masked."""
+    return -(-num_episodes // num_shards)
+
+
+def evaluate_on_shards(
+    env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, shard_index: jax.Array,
+    num_episodes: int, num_shards: int,
+) -> EvalStats:
+    """This shard's share of `num_episodes` deterministic episodes, reduced over all shards.
+
+    Call inside a function wrapped by `sharding.shard_parallel`. Episode `i`
+    (global index) runs alone with key `fold_in(key, i)` on whichever shard holds it.
+    """
+    count = episodes_per_shard(num_episodes, num_shards)
+    indices = shard_index * count + jnp.arange(count)
+    results = jax.vmap(lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1))(indices)
+    returns, lengths = results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32)
+    valid = (indices < num_episodes).astype(jnp.float32)
+    # Means of per-shard sums times num_shards are sums over all episodes; the
+    # variance is a second pass around the global mean, so nothing cancels.
+    scale = num_shards / num_episodes
+    return_mean, length_mean = pmean_over_shards((jnp.sum(valid * returns), jnp.sum(valid * lengths)))
+    return_mean, length_mean = return_mean * scale, length_mean * scale
+    variance = pmean_over_shards(jnp.sum(valid * jnp.square(returns - return_mean))) * scale
+    return EvalStats(return_mean=return_mean, return_std=jnp.sqrt(variance), length_mean=length_mean)

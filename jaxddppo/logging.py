@@ -1,4 +1,4 @@
-"""What a run writes and shows: metrics.jsonl, summary.json, progress output."""
+"""What a run writes and shows: metrics.jsonl, TensorBoard events, summary.json, progress output."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Optional, Protocol, TextIO
 
 from tqdm import tqdm
 
@@ -27,7 +27,14 @@ METRIC_FIELDS: dict[str, str] = {
     "episode_return_mean": "mean return of the episodes that ended during the update, all shards (null if none)",
     "episode_length_mean": "mean length of those episodes (null if none)",
     "episodes_completed": "number of those episodes",
+    "eval_return_mean": "mean return of the periodic deterministic evaluation run after this update, "
+    "all shards (null on rows without one; see eval.every_updates)",
+    "eval_return_std": "standard deviation of those returns (null likewise)",
+    "eval_length_mean": "mean length of those episodes (null likewise)",
 }
+
+# metrics.jsonl fields that are not TensorBoard scalars: `env_steps` is their step.
+_NOT_SCALARS = ("update", "env_steps")
 
 # Every field of summary.json, with its meaning.
 SUMMARY_FIELDS: dict[str, str] = {
@@ -67,6 +74,14 @@ def write_json(path: str, payload: dict) -> None:
     os.replace(temporary, path)
 
 
+class MetricsSink(Protocol):
+    """Where the host loop sends each chunk's metrics rows."""
+
+    def write(self, rows: list[dict]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
     """Appends one JSON object per update to metrics.jsonl, flushed after every chunk."""
 
@@ -104,6 +119,50 @@ def truncate_metrics(path: str, last_update: int) -> int:
         handle.writelines(kept)
     os.replace(temporary, path)
     return last_kept
+
+
+class TensorBoardWriter:
+    """Every numeric metrics.jsonl field as a scalar named like the field, at step `env_steps`.
+
+    Null fields (no episode ended, no evaluation on that update) are skipped.
+    """
+
+    def __init__(self, log_dir: str):
+        # Imported here: only runs that ask for TensorBoard pay for the import.
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=log_dir)
+
+    def write(self, rows: list[dict]) -> None:
+        for row in rows:
+            for name, value in row.items():
+                if name not in _NOT_SCALARS and value is not None and math.isfinite(value):
+                    self._writer.add_scalar(name, value, global_step=row["env_steps"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class FanOut:
+    """Several sinks behind one: each chunk's rows go to every one of them."""
+
+    def __init__(self, sinks: list[MetricsSink]):
+        self._sinks = sinks
+
+    def write(self, rows: list[dict]) -> None:
+        for sink in self._sinks:
+            sink.write(rows)
+
+    def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
+
+
+def open_metrics_sink(run_dir: str, tensorboard: bool) -> MetricsSink:
+    """metrics.jsonl in `run_dir`, and TensorBoard event files beside it if asked for."""
+    jsonl = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
+    return FanOut([jsonl, TensorBoardWriter(run_dir)]) if tensorboard else jsonl
 
 
 class Progress:

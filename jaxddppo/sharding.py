@@ -92,6 +92,8 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
             f"train.total_env_steps={config.train.total_env_steps} is less than one update "
             f"(env.num_envs x ppo.num_steps = {env_steps_per_update}); raise train.total_env_steps"
         )
+    updates_per_chunk = min(config.train.updates_per_chunk, num_updates)
+    _check_eval_cadence(config.eval.every_updates, config.train.updates_per_chunk, num_updates)
     return Topology(
         num_devices=num_devices,
         num_processes=num_processes,
@@ -104,7 +106,21 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
         minibatch_size_per_shard=samples_per_shard // config.ppo.num_minibatches,
         env_steps_per_update=env_steps_per_update,
         num_updates=num_updates,
-        updates_per_chunk=min(config.train.updates_per_chunk, num_updates),
+        updates_per_chunk=updates_per_chunk,
+    )
+
+
+def _check_eval_cadence(every_updates: int, updates_per_chunk_setting: int, num_updates: int) -> None:
+    """Periodic evaluations run between compiled chunks, so they must fall on chunk boundaries."""
+    updates_per_chunk = min(updates_per_chunk_setting, num_updates)
+    if every_updates == 0 or every_updates % updates_per_chunk == 0:
+        return
+    chunk_name = "train.updates_per_chunk"
+    if updates_per_chunk < updates_per_chunk_setting:
+        chunk_name += f" (capped at the run's {num_updates} updates)"
+    raise ConfigError(
+        f"eval.every_updates={every_updates} is not a multiple of {chunk_name}={updates_per_chunk}; "
+        f"evaluations run between chunks of updates: set eval.every_updates to a multiple of {updates_per_chunk}"
     )
 
 

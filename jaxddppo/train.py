@@ -29,9 +29,10 @@ from jaxddppo.checkpoint import (
 )
 from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError, help_text, load_config, load_resume_config, to_yaml
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.evaluation import evaluate_policy
-from jaxddppo.logging import METRIC_FIELDS, MetricsWriter, Progress, truncate_metrics, write_json
+from jaxddppo.evaluation import EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.logging import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
+from jaxddppo.plot import save_learning_curve
 from jaxddppo.ppo import (
     PPOHyperparams,
     TrainState,
@@ -82,6 +83,22 @@ class Experiment:
             return jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=num_updates)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
+
+    def eval_fn(self) -> Callable[[Any, jax.Array, jax.Array], EvalStats]:
+        """`(params, update_index, shard_index) -> EvalStats`, every argument and leaf [num_shards].
+
+        The evaluation after update `u` uses the same episode keys whatever the shard count.
+        """
+        config, topology = self.config, self.topology
+        eval_root = jax.random.fold_in(jax.random.key(config.train.seed), 3)
+
+        def evaluate(params: Any, update_index: jax.Array, shard_index: jax.Array) -> EvalStats:
+            return evaluate_on_shards(
+                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard_index,
+                config.eval.num_episodes, topology.num_shards,
+            )
+
+        return sharding.shard_parallel(evaluate, self.mesh)
 
 
 def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
@@ -179,9 +196,21 @@ def write_config(run_dir: str, config: Config) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+def eval_fields(evaluation: Optional[EvalStats]) -> dict[str, Optional[float]]:
+    """The eval_* fields of a metrics row: null on rows without an evaluation."""
+    if evaluation is None:
+        return {"eval_return_mean": None, "eval_return_std": None, "eval_length_mean": None}
+    return {
+        "eval_return_mean": float(evaluation.return_mean),
+        "eval_return_std": float(evaluation.return_std),
+        "eval_length_mean": float(evaluation.length_mean),
+    }
+
+
 def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
-                 wall_seconds: float) -> list[dict]:
-    """One dict per update from the metrics of one chunk (host arrays [num_updates])."""
+                 wall_seconds: float, evaluation: Optional[EvalStats] = None) -> list[dict]:
+    """One dict per update from the metrics of one chunk (host arrays [num_updates]);
+    `evaluation`, if any, ran after the chunk's last update and goes on its row."""
     columns = {name: np.asarray(value, np.float64) for name, value in vars(metrics).items()}
     rows = []
     for offset in range(len(columns["policy_loss"])):
@@ -193,7 +222,10 @@ def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update
         }
         row.update({name: float(values[offset]) for name, values in columns.items()})
         row["episodes_completed"] = int(row["episodes_completed"])
+        row.update(eval_fields(None))
         rows.append(row)
+    if evaluation is not None:
+        rows[-1].update(eval_fields(evaluation))
     assert set(rows[0]) == set(METRIC_FIELDS), "metrics.jsonl fields and their documentation differ"
     return rows
 
@@ -263,6 +295,32 @@ def compile_chunks(experiment: Experiment, state: TrainState, sizes: Iterable[in
 
 
 @dataclass(frozen=True)
+class PeriodicEval:
+    """The compiled evaluation and its cadence. Every process calls it after the same
+    chunks: it is a collective over all shards."""
+
+    every_updates: int
+    evaluate: Callable[[Any, jax.Array, jax.Array], EvalStats]
+    shard_indices: jax.Array
+
+    def after(self, state: TrainState, updates_done: int) -> Optional[EvalStats]:
+        """Evaluate the current policy if `updates_done` is on the cadence; host statistics or None."""
+        if updates_done % self.every_updates:
+            return None
+        return sharding.first_shard(self.evaluate(state.params, state.update_index, self.shard_indices))
+
+
+def compile_periodic_eval(experiment: Experiment, state: TrainState) -> Optional[PeriodicEval]:
+    """The periodic evaluation, compiled, or None when `eval.every_updates` is 0."""
+    every_updates = experiment.config.eval.every_updates
+    if every_updates == 0:
+        return None
+    indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
+    compiled = experiment.eval_fn().lower(state.params, state.update_index, indices).compile()
+    return PeriodicEval(every_updates, compiled, indices)
+
+
+@dataclass(frozen=True)
 class LoopResult:
     state: TrainState
     counters: RunCounters
@@ -271,8 +329,9 @@ class LoopResult:
 
 
 def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any], sizes: Iterable[int],
-                 counters: RunCounters, writer: Optional[MetricsWriter], progress: Progress,
-                 checkpointer: Checkpointer, signals: StopSignals) -> LoopResult:
+                 counters: RunCounters, writer: Optional[MetricsSink], progress: Progress,
+                 checkpointer: Checkpointer, signals: StopSignals,
+                 periodic_eval: Optional[PeriodicEval] = None) -> LoopResult:
     """Call, block, time, log, check, checkpoint: the host loop over chunks of updates.
 
     Raises NonFiniteError, after logging the chunk, without saving it.
@@ -294,8 +353,10 @@ def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, 
             train_seconds=counters.train_seconds + chunk_seconds,
             final_episode_return=chunk_return if chunk_return is not None else counters.final_episode_return,
         )
+        evaluation = periodic_eval.after(state, update) if periodic_eval is not None else None
         if writer is not None:
-            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update, counters.train_seconds))
+            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update, counters.train_seconds,
+                                      evaluation))
         bad = first_non_finite(metrics)
         if bad is not None:
             offset, name = bad
@@ -378,7 +439,8 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
 
 def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
         stop_after_updates: Optional[int] = None) -> TrainResult:
-    """Train with `config`, writing config.yaml, metrics.jsonl, checkpoints and summary.json to the run dir.
+    """Train with `config`, writing config.yaml, metrics.jsonl, checkpoints, summary.json and
+    learning_curve.png (and TensorBoard events if asked) to the run dir.
 
     With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
     its newest readable checkpoint is restored and training continues from it.
@@ -423,14 +485,16 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
     plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
     compiled = compile_chunks(experiment, state, chunk_sizes_needed(*plan))
+    periodic_eval = compile_periodic_eval(experiment, state)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
     progress.update(counters.env_steps, 0.0, counters.final_episode_return)
 
-    writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
+    writer = open_metrics_sink(run_dir, config.run.tensorboard) if is_writer else None
     try:
         with StopSignals(progress.message) as signals:
-            loop = train_chunks(experiment, state, compiled, chunk_plan(*plan), counters, writer, progress, checkpointer, signals)
+            loop = train_chunks(experiment, state, compiled, chunk_plan(*plan), counters, writer, progress,
+                                checkpointer, signals, periodic_eval)
     except NonFiniteError as error:
         checkpointer.wait()
         newest = checkpointer.latest_step()
@@ -455,6 +519,7 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     summary = summarise(experiment, state, counters, compile_seconds)
     if is_writer:
         write_json(os.path.join(run_dir, "summary.json"), summary)
+        save_learning_curve(run_dir)
     progress.message(
         f"done{process_label()}: {summary['total_env_steps']:,} steps in {counters.train_seconds:.1f} s "
         f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "

@@ -1,9 +1,41 @@
-"""Four simulated CPU devices for every test process (set before JAX is imported)."""
+"""Four simulated CPU devices for every test process (set before JAX is imported); a PNG check."""
 
 import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=4".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def assert_real_png():
+    """A check that a file is a PNG of the learning-curve figure's size that decodes to a picture."""
+    from PIL import Image
+
+    from jaxddppo.plot import DPI, FIGURE_SIZE
+
+    shape = (int(FIGURE_SIZE[1] * DPI), int(FIGURE_SIZE[0] * DPI))  # rows, columns
+
+    def check(path: Path) -> None:
+        data = path.read_bytes()
+        assert data[:8] == PNG_SIGNATURE, data[:8]
+        assert data[12:16] == b"IHDR"
+        width, height = struct.unpack(">II", data[16:24])
+        assert (height, width) == shape
+        with Image.open(path) as image:
+            image.load()  # decodes every chunk, checking their CRCs
+            pixels = np.asarray(image.convert("RGB"))
+        assert pixels.shape == shape + (3,)
+        assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 10, "the image is (nearly) one colour"
+
+    return check

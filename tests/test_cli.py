@@ -193,6 +193,8 @@ BAD_INPUTS = [
     ("samples_not_divisible_by_minibatches",
      ["env.num_envs=4", "ppo.num_steps=128", "ppo.num_minibatches=3"], {},
      ["ppo.num_minibatches", "3", "512"]),
+    ("eval_off_chunk_boundaries", ["eval.every_updates=3", "train.updates_per_chunk=2"], {},
+     ["eval.every_updates", "3", "train.updates_per_chunk", "2"]),
     ("less_than_one_update", ["env.num_envs=4", "ppo.num_steps=16", "train.total_env_steps=63"], {},
      ["train.total_env_steps", "63", "64"]),
     ("unknown_env", ["env.id=NotAnEnv-v0"], {}, ["env.id", "NotAnEnv-v0", "CartPole-v1", "Pendulum-v1"]),
@@ -240,12 +242,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_run_writes_config_metrics_and_summary(real_runs: RealRuns):
+def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_png):
     result = real_runs.main.succeeded()
     run_dir = real_runs.main_dir
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "metrics.jsonl", "summary.json"], (
-        result.describe()
-    )
+    # No TensorBoard events unless run.tensorboard=true.
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.yaml", "learning_curve.png", "metrics.jsonl", "summary.json"
+    ], result.describe()
+    assert_real_png(run_dir / "learning_curve.png")
 
     # config.yaml: the requested config, with the shard count resolved for one device.
     saved = load_config(str(run_dir / "config.yaml"))
@@ -264,6 +268,7 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns):
     previous_wall = 0.0
     for row in rows:
         assert set(row) == set(METRIC_FIELDS), row
+        assert row["eval_return_mean"] is None, row  # eval.every_updates defaults to 0: no periodic evaluation
         assert row["env_steps"] == row["update"] * 4 * 16, row
         for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm",
                     "explained_variance", "learning_rate"):

@@ -37,11 +37,21 @@ def train_env(num_devices: int) -> dict:
     return env
 
 
+# Evaluations after updates 4 and 8: a collective every process must join.
+PERIODIC_EVAL = ["train.updates_per_chunk=4", "eval.every_updates=4"]
+
+
+def eval_rows(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(row["update"], row["eval_return_mean"], row["eval_return_std"]) for row in rows
+            if row["eval_return_mean"] is not None]
+
+
 def test_two_processes_learn_what_one_process_learns(tmp_path):
     port = free_port()
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, f"run.dir={tmp_path / 'multi'}",
+            [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, *PERIODIC_EVAL, f"run.dir={tmp_path / 'multi'}",
              "debug.check_replicas=true", f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}",
              "distributed.init_timeout=120"],
@@ -60,12 +70,16 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert (summary["num_processes"], summary["num_devices"], summary["num_shards"]) == (2, 4, 4)
 
-    config = load_config(SMALL_RUN[1], SMALL_RUN[2:])
+    multi_evals = eval_rows(tmp_path / "multi")
+    assert [update for update, *_ in multi_evals] == [4, 8]
+
+    config = load_config(SMALL_RUN[1], SMALL_RUN[2:] + PERIODIC_EVAL)
     for num_devices in (4, 1):
         single_config = replace(config, run=replace(config.run, dir=str(tmp_path / f"single{num_devices}")))
         single = run(single_config, devices=jax.devices()[:num_devices])
         np.testing.assert_allclose(summary["params_digest"], single.summary["params_digest"], rtol=1e-5)
         assert summary["eval_return_mean"] == pytest.approx(single.summary["eval_return_mean"])
+        np.testing.assert_allclose(eval_rows(Path(single.run_dir)), multi_evals, rtol=1e-5)
 
 
 def test_unreachable_coordinator_is_one_line_within_the_timeout(tmp_path):
