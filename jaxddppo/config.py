@@ -290,7 +290,7 @@ def from_dict(values: dict) -> Config:
 
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
-    "train.total_env_steps", "train.updates_per_chunk", "run.progress",
+    "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard",
     "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 

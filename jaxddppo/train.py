@@ -510,6 +510,8 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
         checkpointer.save(state, counters)
     checkpointer.wait()
     if stopped_by is not None:
+        if is_writer:
+            save_learning_curve(run_dir)
         progress.message(
             f"stopped{process_label()} by {stopped_by} after update {counters.update} of {topology.num_updates}; "
             f"checkpoint {checkpointer.directory}/{counters.update}; continue with: "
