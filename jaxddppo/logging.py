@@ -169,7 +169,7 @@ class Progress:
     """A tqdm bar on a terminal; otherwise one plain line at most every `line_interval` seconds."""
 
     def __init__(self, total_env_steps: int, enabled: bool, stream: TextIO = sys.stderr,
-                 line_interval: float = 2.0, initial_env_steps: int = 0):
+                 line_interval: float = 2.0):
         self._total = total_env_steps
         self._enabled = enabled
         self._stream = stream
@@ -177,8 +177,7 @@ class Progress:
         self._last_line = -math.inf
         self._bar: Optional[tqdm] = None
         if enabled and stream.isatty():
-            self._bar = tqdm(total=total_env_steps, initial=initial_env_steps, unit="step", unit_scale=True,
-                             file=stream, dynamic_ncols=True)
+            self._bar = tqdm(total=total_env_steps, unit="step", unit_scale=True, file=stream, dynamic_ncols=True)
 
     def update(self, env_steps: int, steps_per_second: float, episode_return: Optional[float]) -> None:
         if not self._enabled:

@@ -454,7 +454,7 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     is_writer = jax.process_index() == 0
     run_dir = config.run.dir if resume else shared_run_dir(config)
-    if is_writer:
+    if is_writer and not resume:
         write_config(run_dir, config)
     progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)
     where = f"writing to {run_dir}" if is_writer else "process 0 writes the results"
@@ -482,13 +482,14 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     if resume:
         state, counters = restore_run(experiment, checkpointer, run_dir, progress, state)
         restored_update = counters.update if counters.update else None
+        if is_writer:
+            write_config(run_dir, config)  # with the resume's overrides, once they proved valid
     stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
     plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
     compiled = compile_chunks(experiment, state, chunk_sizes_needed(*plan))
     periodic_eval = compile_periodic_eval(experiment, state)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
-    progress.update(counters.env_steps, 0.0, counters.final_episode_return)
 
     writer = open_metrics_sink(run_dir, config.run.tensorboard) if is_writer else None
     try:

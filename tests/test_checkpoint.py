@@ -118,6 +118,17 @@ def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):
     assert config.train.total_env_steps == 4096 and config.checkpoint.keep == 5
 
 
+def test_resume_below_the_steps_done_is_refused_and_changes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    config = load_resume_config(str(run_dir), ["train.total_env_steps=256"])
+    with pytest.raises(ConfigError, match=r"^train\.total_env_steps=256 is below the 512 env steps the checkpoint "
+                                          r"at update 4 has done$"):
+        run(config, devices=jax.devices()[:4], resume=True)
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
 def test_keep_limits_the_checkpoints_kept(tmp_path):
     run_dir = tmp_path / "run"
     run(small_config(run_dir, checkpoint={"every_updates": 2, "keep": 2}), devices=jax.devices()[:4])
