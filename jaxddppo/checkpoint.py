@@ -85,6 +85,8 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, RunCounters]:
         """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings)."""
+        if step not in self.steps():
+            raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -163,7 +165,7 @@ class StopSignals:
         else:
             self._announce(f"{self.received}: stopping at the next update boundary")
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)

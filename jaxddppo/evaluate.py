@@ -65,9 +65,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except FileNotFoundError:
-        print(f"error: --checkpoint {args.checkpoint}: no such checkpoint in {args.run_dir}", file=sys.stderr)
-        return 2
     stats = statistics(evaluate(policy, args.episodes, args.seed))
     episodes = policy.config.eval.num_episodes if args.episodes is None else args.episodes
     if args.json:

@@ -302,3 +302,14 @@ def test_load_policy_acts_like_the_trained_params(one_go):
     assert sampled.shape == (16, 1) and set(np.unique(sampled)) <= {0, 1}
     stats = statistics(evaluate(policy))
     assert stats["return_mean"] == one_go.summary["eval_return_mean"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["{run}", "--checkpoint", "7"], "error: no checkpoint 7 in {run}/checkpoints (there are: [4, 8, 12])"),
+    (["{run}/missing"], "error: run directory {run}/missing does not exist"),
+    (["{run}", "--episodes", "0"], "error: --episodes=0 must be at least 1 (see --help)"),
+])
+def test_evaluate_bad_input_is_one_line_and_exit_2(one_go, args, message):
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", *(a.format(run=one_go.run_dir) for a in args)],
+                            env=cli_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip() == message.format(run=one_go.run_dir), result.stderr
