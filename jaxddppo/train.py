@@ -84,7 +84,7 @@ def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Exp
         mesh=mesh,
         env=env,
         network=network,
-        settings=UpdateSettings.from_config(config.ppo, topology),
+        settings=UpdateSettings.from_config(config, topology),
         hyperparams=PPOHyperparams.from_config(config.ppo),
     )
 
@@ -209,6 +209,7 @@ def summarise(experiment: Experiment, loop: LoopResult, compile_seconds: float) 
     evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
         experiment.env, experiment.network, sharding.first_shard(loop.state.params),
         jax.random.fold_in(jax.random.key(config.train.seed), 2), config.eval.num_episodes,
+        sharding.first_shard(loop.state.obs_moments),
     )
     eval_returns = np.asarray(evaluation.returns, np.float64)
     total_env_steps = topology.num_updates * topology.env_steps_per_update
