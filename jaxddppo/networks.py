@@ -178,7 +178,8 @@ class RecurrentActorCriticModule(nn.Module):
         if self.discrete:
             return tuple(new_carry), Categorical(head), value
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
-        return tuple(new_carry), DiagGaussian(head, log_std), value
+        # Full shape, so that distributions stacked over time by `unroll` stay aligned with their means.
+        return tuple(new_carry), DiagGaussian(head, jnp.broadcast_to(log_std, head.shape)), value
 
 
 StepFn = Callable[[dict, Any, jax.Array, Optional[jax.Array]], tuple[Any, Distribution, jax.Array]]
