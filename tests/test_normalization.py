@@ -188,19 +188,26 @@ def test_policy_step_normalises_and_clips_observations():
 
 
 def test_training_keeps_global_statistics_in_the_state():
-    """Two updates on 4 shards: every shard holds the moments of all 4 x 2 rollouts."""
+    """A GRU policy with both statistics, 4 shards on 4 devices, two chunks of one update:
+    every shard holds the same moments, of all 4 x 2 rollouts, and the same parameters;
+    the second chunk does not recompile. (Device-count invariance of the statistics is
+    checked above; of training, in test_sharding.py.)"""
     config = from_dict({
         "env": {"id": "CartPole-v1", "num_envs": 8, "normalize_observations": True, "scale_rewards": True},
-        "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
-        "train": {"num_shards": 4, "total_env_steps": 8 * 8 * 2, "updates_per_chunk": 2},
+        "network": {"recurrent": "gru", "recurrent_size": 8, "hidden_sizes": [8], "shared_torso": True},
+        "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2, "learning_rate": 1e-2},
+        "train": {"num_shards": 4, "total_env_steps": 8 * 8 * 2, "updates_per_chunk": 1},
     })
     experiment = build(config, jax.devices())
-    state, _ = experiment.learn_fn(2)(experiment.init_state())
-    obs_moments, return_moments = sharding.all_shards((state.obs_moments, state.return_moments))
-    assert np.all(obs_moments.count == 2 * 8 * 8) and np.all(return_moments.count == 2 * 8 * 8)
-    for leaf in jax.tree.leaves((obs_moments, return_moments)):
+    learn = experiment.learn_fn(1)
+    state, _ = learn(experiment.init_state())
+    state, _ = learn(state)
+    assert learn._cache_size() == 1, "the second chunk recompiled"
+    moments = sharding.all_shards((state.obs_moments, state.return_moments))
+    assert np.all(moments[0].count == 2 * 8 * 8) and np.all(moments[1].count == 2 * 8 * 8)
+    for leaf in jax.tree.leaves((moments, sharding.all_shards(state.params))):
         assert all(np.array_equal(leaf[0], leaf[s]) for s in range(4))
-    assert np.all(obs_moments.m2 > 0) and np.all(return_moments.m2 > 0)
+    assert np.all(moments[0].m2 > 0) and np.all(moments[1].m2 > 0)
 
 
 def test_evaluation_acts_on_normalised_observations():

@@ -79,7 +79,7 @@ def recurrent_rollout():
 
 
 def test_rollout_resets_hidden_state_where_episodes_end(recurrent_rollout):
-    env, network, params, initial, state, transitions = recurrent_rollout
+    env, network, params, _, state, transitions = recurrent_rollout
     done = np.asarray(transitions.terminated | transitions.truncated)
     start = np.asarray(transitions.episode_start)
     assert start[0].all()
@@ -88,7 +88,7 @@ def test_rollout_resets_hidden_state_where_episodes_end(recurrent_rollout):
     assert 2 <= start[1:].sum() < start[1:].size // 2, "the rollout should hold a few episode ends"
     # Acting on each observation from a fresh carry: the same where an episode starts, not elsewhere.
     flat_obs = transitions.obs.reshape((-1,) + env.spec.obs_shape)
-    _, fresh_dist, fresh_value = network.step(params, network.initial_carry(flat_obs.shape[0]), flat_obs,
+    _, _, fresh_value = network.step(params, network.initial_carry(flat_obs.shape[0]), flat_obs,
                                               jnp.ones(flat_obs.shape[0], bool))
     fresh_value = np.asarray(fresh_value).reshape(start.shape)
     value = np.asarray(transitions.value)
@@ -97,7 +97,7 @@ def test_rollout_resets_hidden_state_where_episodes_end(recurrent_rollout):
 
 
 def test_unrolled_sequences_reproduce_the_rollout(recurrent_rollout):
-    env, network, params, initial, state, transitions = recurrent_rollout
+    _, network, params, initial, state, transitions = recurrent_rollout
     last_carry, dist, value = jax.jit(lambda p, c, o, s: unroll(network, p, c, o, s))(
         params, initial.carry, transitions.obs, transitions.episode_start
     )
