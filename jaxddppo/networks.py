@@ -226,15 +226,15 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
         raise ConfigError(
             f"network.torso='cnn' needs image observations [H, W, C]; {spec.env_id} has shape {spec.obs_shape}"
         )
-    common = dict(
-        hidden_sizes=tuple(config.hidden_sizes),
-        activation=config.activation,
-        cnn_channels=tuple(config.cnn_channels) if use_cnn else (),
-        shared_torso=config.shared_torso,
-        discrete=spec.discrete,
-        num_actions=spec.num_actions,
-        init_log_std=config.init_log_std,
-    )
+    common = {
+        "hidden_sizes": tuple(config.hidden_sizes),
+        "activation": config.activation,
+        "cnn_channels": tuple(config.cnn_channels) if use_cnn else (),
+        "shared_torso": config.shared_torso,
+        "discrete": spec.discrete,
+        "num_actions": spec.num_actions,
+        "init_log_std": config.init_log_std,
+    }
     flat_obs = not use_cnn and len(spec.obs_shape) != 1
 
     def prepare(obs: jax.Array) -> jax.Array:
