@@ -110,6 +110,22 @@ def test_unrolled_sequences_reproduce_the_rollout(recurrent_rollout):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_unrolled_gaussian_policy_scores_whole_sequences():
+    """Continuous actions: distributions stacked over time by `unroll` give each step's
+    log-probability, as stepping one step at a time does."""
+    env, network = recurrent_network("lstm", True, "Pendulum-v1")
+    obs = jax.random.normal(jax.random.key(0), (3, 2) + env.spec.obs_shape)
+    start = jnp.asarray([[True, True], [False, True], [False, False]])
+    actions = jax.random.normal(jax.random.key(1), (3, 2, env.spec.num_actions))
+    params = network.init(jax.random.key(2), obs[0])
+    _, dist, _ = unroll(network, params, network.initial_carry(2), obs, start)
+    carry, expected = network.initial_carry(2), []
+    for t in range(3):
+        carry, step_dist, _ = network.step(params, carry, obs[t], start[t])
+        expected.append(step_dist.log_prob(actions[t]))
+    np.testing.assert_allclose(dist.log_prob(actions), np.stack(expected), rtol=1e-5, atol=1e-6)
+
+
 def sequence_settings(num_envs: int, num_epochs: int, num_minibatches: int) -> UpdateSettings:
     return UpdateSettings(
         num_steps=5, num_epochs=num_epochs, num_minibatches=num_minibatches,
