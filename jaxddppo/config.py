@@ -35,6 +35,12 @@ def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> 
 class EnvConfig:
     id: str = _opt("CartPole-v1", "gymnax environment id (see the README for the list)")
     num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
+    normalize_observations: bool = _opt(
+        False, "normalise observations by a running mean and variance over all shards' rollouts"
+    )
+    scale_rewards: bool = _opt(
+        False, "divide rewards by a running standard deviation of the discounted return, over all shards"
+    )
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,11 @@ class NetworkConfig:
     shared_torso: bool = _opt(False, "actor and critic share one torso (default: separate torsos)")
     cnn_channels: tuple[int, ...] = _opt((16,), "output channels of each 3x3 convolution layer")
     init_log_std: float = _opt(0.0, "initial log standard deviation of the Gaussian head")
+    recurrent: Optional[str] = _opt(
+        None, "recurrent core after the torso: gru or lstm (default: none, a feed-forward policy)",
+        choices=("gru", "lstm"),
+    )
+    recurrent_size: int = _opt(128, "hidden units of the recurrent core")
 
 
 @dataclass(frozen=True)
@@ -350,7 +361,7 @@ def validate(config: Config) -> None:
         for fld in dataclasses.fields(values):
             key, value = f"{section.name}.{fld.name}", getattr(values, fld.name)
             choices = fld.metadata.get("choices")
-            if choices is not None:
+            if choices is not None and value is not None:
                 _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
             if isinstance(value, float):
                 _check(math.isfinite(value), key, value, "must be a finite number")
@@ -363,6 +374,7 @@ def validate(config: Config) -> None:
         ("train.updates_per_chunk", config.train.updates_per_chunk),
         ("eval.num_episodes", config.eval.num_episodes),
         ("checkpoint.keep", config.checkpoint.keep),
+        ("network.recurrent_size", config.network.recurrent_size),
     ]
     for key, value in positive_ints:
         _check(value >= 1, key, value, "must be at least 1")

@@ -30,7 +30,9 @@ def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[
     """
     episodes = policy.config.eval.num_episodes if num_episodes is None else num_episodes
     key = final_eval_key(policy.config) if seed is None else jax.random.key(seed)
-    return jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(policy.env, policy.network, policy.params, key, episodes)
+    return jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
+        policy.env, policy.network, policy.params, key, episodes, policy.obs_moments
+    )
 
 
 def statistics(result: EvalResult) -> dict:

@@ -8,14 +8,16 @@ result does not depend on how many shards or devices run it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxddppo.acting import policy_step
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic
+from jaxddppo.normalization import RunningMoments
 from jaxddppo.sharding import pmean_over_shards
 
 
@@ -42,28 +44,40 @@ class _EvalCarry:
     lengths: jax.Array
     finished: jax.Array
     step: jax.Array
+    policy_carry: Any  # recurrent policies only, else None
+    episode_start: Optional[jax.Array]  # recurrent policies only, else None
 
 
 def evaluate_policy(
-    env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, num_episodes: int
+    env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, num_episodes: int,
+    obs_moments: Optional[RunningMoments] = None,
 ) -> EvalResult:
     """Run `num_episodes` environments with the policy's mode until each ends its first episode.
 
+    The policy acts as in training (`acting.policy_step`): observations
+    normalised by `obs_moments` if given, recurrent carry from fresh episodes.
     Episodes that reach the time limit count as ended. Jittable.
     """
     key_reset, key_steps = jax.random.split(key)
     obs, env_state = env.reset(key_reset, num_episodes)
     zeros = jnp.zeros((num_episodes,), jnp.float32)
-    init = _EvalCarry(env_state, obs, zeros, zeros.astype(jnp.int32), zeros.astype(bool), jnp.zeros((), jnp.int32))
+    episode_start = jnp.ones((num_episodes,), bool) if network.recurrent else None
+    init = _EvalCarry(
+        env_state, obs, zeros, zeros.astype(jnp.int32), zeros.astype(bool), jnp.zeros((), jnp.int32),
+        network.initial_carry(num_episodes), episode_start,
+    )
     max_steps = env.spec.max_episode_steps + 1
 
     def not_done(carry: _EvalCarry) -> jax.Array:
         return jnp.logical_and(jnp.logical_not(carry.finished.all()), carry.step < max_steps)
 
     def step(carry: _EvalCarry) -> _EvalCarry:
-        dist, _ = network.apply(params, carry.obs)
+        policy_carry, dist, _ = policy_step(
+            network, params, obs_moments, carry.policy_carry, carry.obs, carry.episode_start
+        )
         env_state, result = env.step(jax.random.fold_in(key_steps, carry.step), carry.env_state, dist.mode())
-        ended = jnp.logical_and(result.terminated | result.truncated, jnp.logical_not(carry.finished))
+        done = result.terminated | result.truncated
+        ended = jnp.logical_and(done, jnp.logical_not(carry.finished))
         return _EvalCarry(
             env_state=env_state,
             obs=result.obs,
@@ -71,6 +85,8 @@ def evaluate_policy(
             lengths=jnp.where(ended, result.episode_length, carry.lengths),
             finished=carry.finished | ended,
             step=carry.step + 1,
+            policy_carry=policy_carry,
+            episode_start=done if network.recurrent else None,
         )
 
     final = jax.lax.while_loop(not_done, step, init)
@@ -84,7 +100,7 @@ def episodes_per_shard(num_episodes: int, num_shards: int) -> int:
 
 def evaluate_on_shards(
     env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, shard_index: jax.Array,
-    num_episodes: int, num_shards: int,
+    num_episodes: int, num_shards: int, obs_moments: Optional[RunningMoments] = None,
 ) -> EvalStats:
     """This shard's share of `num_episodes` deterministic episodes, reduced over all shards.
 
@@ -93,7 +109,9 @@ def evaluate_on_shards(
     """
     count = episodes_per_shard(num_episodes, num_shards)
     indices = shard_index * count + jnp.arange(count)
-    results = jax.vmap(lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1))(indices)
+    results = jax.vmap(
+        lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1, obs_moments)
+    )(indices)
     returns, lengths = results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32)
     valid = (indices < num_episodes).astype(jnp.float32)
     # Means of per-shard sums times num_shards are sums over all episodes; the

@@ -1,16 +1,20 @@
 """Flax actor-critic networks and the two action distributions they parameterise.
 
-`make_actor_critic(network_config, env_spec)` returns an `ActorCritic` with two
-pure functions: `init(key, obs) -> params` and `apply(params, obs) ->
-(distribution, value)`. The rest of the trainer sees only those and the
-distribution methods (`sample`, `log_prob`, `entropy`, `mode`).
+`make_actor_critic(network_config, env_spec)` returns an `ActorCritic` of pure
+functions: `init(key, obs) -> params` and `step(params, carry, obs,
+episode_start) -> (carry, distribution, value)`; a feed-forward network also
+has `apply(params, obs) -> (distribution, value)` and ignores the carry (None).
+A recurrent one (`network.recurrent`) zeroes its carry where `episode_start` is
+true before the core; `unroll` runs `step` over a [T, B] sequence. The rest of
+the trainer sees only those and the distribution methods (`sample`,
+`log_prob`, `entropy`, `mode`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -130,12 +134,89 @@ class ActorCriticModule(nn.Module):
         return DiagGaussian(head, log_std), value
 
 
+def _recurrent_cell(kind: str, size: int, name: str) -> nn.RNNCellBase:
+    if kind == "gru":
+        return nn.GRUCell(size, name=name)
+    return nn.OptimizedLSTMCell(size, name=name)
+
+
+def zero_carry(kind: str, size: int, batch_size: int) -> Any:
+    """The recurrent state of `batch_size` fresh episodes: GRU h, or LSTM (c, h)."""
+    zeros = jnp.zeros((batch_size, size), jnp.float32)
+    return zeros if kind == "gru" else (zeros, zeros)
+
+
+class RecurrentActorCriticModule(nn.Module):
+    """Torso, then a GRU or LSTM core, then the heads. Separate torsos get separate cores,
+    so the carry is a tuple with one entry per core (actor, critic) or one (shared)."""
+
+    hidden_sizes: Sequence[int]
+    activation: str
+    cnn_channels: Sequence[int]
+    shared_torso: bool
+    discrete: bool
+    num_actions: int
+    init_log_std: float
+    recurrent: str
+    recurrent_size: int
+
+    @nn.compact
+    def __call__(
+        self, carry: tuple[Any, ...], obs: jax.Array, episode_start: jax.Array
+    ) -> tuple[tuple[Any, ...], Distribution, jax.Array]:
+        names = ("torso",) if self.shared_torso else ("actor_torso", "critic_torso")
+        new_carry, features = [], []
+        for name, core_carry in zip(names, carry):
+            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(obs)
+            core_carry = jax.tree.map(lambda c: jnp.where(episode_start[:, None], 0.0, c), core_carry)
+            core_carry, out = _recurrent_cell(self.recurrent, self.recurrent_size, f"{name}_core")(core_carry, x)
+            new_carry.append(core_carry)
+            features.append(out)
+        actor_features, critic_features = features[0], features[-1]
+        value = _dense(1, 1.0)(critic_features)[..., 0]
+        head = _dense(self.num_actions, 0.01)(actor_features)
+        if self.discrete:
+            return tuple(new_carry), Categorical(head), value
+        log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
+        # Full shape, so that distributions stacked over time by `unroll` stay aligned with their means.
+        return tuple(new_carry), DiagGaussian(head, jnp.broadcast_to(log_std, head.shape)), value
+
+
+StepFn = Callable[[dict, Any, jax.Array, Optional[jax.Array]], tuple[Any, Distribution, jax.Array]]
+
+
 @dataclass(frozen=True)
 class ActorCritic:
-    """The network as two pure functions; `apply` works on any leading batch shape."""
+    """The network as pure functions.
+
+    `step` acts on a batch [B, ...]: (params, carry, obs, episode_start) ->
+    (carry, distribution, value). Feed-forward: carry and episode_start are
+    None and `apply(params, obs)` works on any leading batch shape. Recurrent:
+    `initial_carry(B)` is the carry of B fresh episodes and `apply` is None.
+    """
 
     init: Callable[[jax.Array, jax.Array], dict]
-    apply: Callable[[dict, jax.Array], tuple[Distribution, jax.Array]]
+    step: StepFn
+    apply: Optional[Callable[[dict, jax.Array], tuple[Distribution, jax.Array]]]
+    initial_carry: Callable[[int], Any]
+
+    @property
+    def recurrent(self) -> bool:
+        return self.apply is None
+
+
+def unroll(
+    network: ActorCritic, params: dict, carry: Any, obs: jax.Array, episode_start: jax.Array
+) -> tuple[Any, Distribution, jax.Array]:
+    """`network.step` over a sequence: obs [T, B, ...], episode_start [T, B]; the carry is
+    reset where an episode starts. Returns the last carry, distributions and values [T, B]."""
+
+    def step(carry: Any, inputs: tuple[jax.Array, jax.Array]) -> tuple[Any, tuple[Distribution, jax.Array]]:
+        carry, dist, value = network.step(params, carry, *inputs)
+        return carry, (dist, value)
+
+    carry, (dist, value) = jax.lax.scan(step, carry, (obs, episode_start))
+    return carry, dist, value
 
 
 def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
@@ -145,15 +226,15 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
         raise ConfigError(
             f"network.torso='cnn' needs image observations [H, W, C]; {spec.env_id} has shape {spec.obs_shape}"
         )
-    module = ActorCriticModule(
-        hidden_sizes=tuple(config.hidden_sizes),
-        activation=config.activation,
-        cnn_channels=tuple(config.cnn_channels) if use_cnn else (),
-        shared_torso=config.shared_torso,
-        discrete=spec.discrete,
-        num_actions=spec.num_actions,
-        init_log_std=config.init_log_std,
-    )
+    common = {
+        "hidden_sizes": tuple(config.hidden_sizes),
+        "activation": config.activation,
+        "cnn_channels": tuple(config.cnn_channels) if use_cnn else (),
+        "shared_torso": config.shared_torso,
+        "discrete": spec.discrete,
+        "num_actions": spec.num_actions,
+        "init_log_std": config.init_log_std,
+    }
     flat_obs = not use_cnn and len(spec.obs_shape) != 1
 
     def prepare(obs: jax.Array) -> jax.Array:
@@ -161,10 +242,39 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
             return obs.reshape(obs.shape[: obs.ndim - len(spec.obs_shape)] + (-1,))
         return obs
 
+    if config.recurrent is not None:
+        return _recurrent_actor_critic(config, RecurrentActorCriticModule(
+            **common, recurrent=config.recurrent, recurrent_size=config.recurrent_size
+        ), prepare)
+    module = ActorCriticModule(**common)
+
     def init(key: jax.Array, obs: jax.Array) -> dict:
         return module.init(key, prepare(obs))
 
     def apply(params: dict, obs: jax.Array) -> tuple[Distribution, jax.Array]:
         return module.apply(params, prepare(obs))
 
-    return ActorCritic(init=init, apply=apply)
+    def step(params: dict, carry: None, obs: jax.Array, episode_start: Optional[jax.Array]
+             ) -> tuple[None, Distribution, jax.Array]:
+        return (carry, *apply(params, obs))
+
+    return ActorCritic(init=init, step=step, apply=apply, initial_carry=lambda batch_size: None)
+
+
+def _recurrent_actor_critic(
+    config: NetworkConfig, module: RecurrentActorCriticModule, prepare: Callable[[jax.Array], jax.Array]
+) -> ActorCritic:
+    num_cores = 1 if config.shared_torso else 2
+
+    def initial_carry(batch_size: int) -> tuple[Any, ...]:
+        return tuple(zero_carry(config.recurrent, config.recurrent_size, batch_size) for _ in range(num_cores))
+
+    def init(key: jax.Array, obs: jax.Array) -> dict:
+        batch_size = obs.shape[0]
+        return module.init(key, initial_carry(batch_size), prepare(obs), jnp.ones((batch_size,), bool))
+
+    def step(params: dict, carry: Any, obs: jax.Array, episode_start: jax.Array
+             ) -> tuple[Any, Distribution, jax.Array]:
+        return module.apply(params, carry, prepare(obs), episode_start)
+
+    return ActorCritic(init=init, step=step, apply=None, initial_carry=initial_carry)

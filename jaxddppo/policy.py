@@ -5,6 +5,7 @@
     action = policy(obs, key, deterministic=False)         # a sample
     act = jax.jit(policy.act, static_argnames="deterministic")
     action = act(policy.params, obs, key)                  # pure: jit, vmap, grad
+    carry, action = policy.step(policy.params, carry, obs, episode_start)   # recurrent policies
 """
 
 from __future__ import annotations
@@ -17,32 +18,61 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxddppo import sharding
+from jaxddppo.acting import policy_step
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import Config, load_resume_config
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic
+from jaxddppo.normalization import RunningMoments
 from jaxddppo.train import build
 
 
 @dataclass(frozen=True)
 class Policy:
-    """The actor of one checkpoint: its parameters and a pure `act`."""
+    """The actor of one checkpoint: its parameters, the run's observation statistics, and pure functions.
+
+    Feed-forward policies: `act(params, obs, key, deterministic)`, or `policy(obs)`.
+    Recurrent ones carry a hidden state: `step(params, carry, obs, episode_start, ...)`
+    from `initial_carry(batch_size)`. Observations are normalised as in training.
+    """
 
     config: Config
     env: BatchedEnv
     network: ActorCritic
     params: Any  # one shard's parameters (every shard holds the same)
+    obs_moments: Optional[RunningMoments]  # the run's observation statistics, if it normalised
     counters: RunCounters  # the checkpoint's update, env steps, training time
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.network.recurrent)
+
+    def initial_carry(self, batch_size: int) -> Any:
+        """The hidden state before a first observation (None for a feed-forward policy)."""
+        return self.network.initial_carry(batch_size)
+
+    def step(self, params: Any, carry: Any, obs: jax.Array, episode_start: Optional[jax.Array] = None,
+             key: Optional[jax.Array] = None, deterministic: bool = True) -> tuple[Any, jax.Array]:
+        """(carry, actions) for a batch of raw observations [N, *obs_shape].
+
+        `episode_start` [N] marks observations that begin an episode (the carry is reset
+        there); recurrent policies need it, feed-forward ones ignore it.
+        """
+        if self.recurrent and episode_start is None:
+            raise ValueError("a recurrent policy needs episode_start [N] (True where an episode begins)")
+        carry, dist, _ = policy_step(self.network, params, self.obs_moments, carry, obs, episode_start)
+        if deterministic:
+            return carry, dist.mode()
+        if key is None:
+            raise ValueError("a stochastic action (deterministic=False) needs a key")
+        return carry, dist.sample(key)
 
     def act(self, params: Any, obs: jax.Array, key: Optional[jax.Array] = None,
             deterministic: bool = True) -> jax.Array:
-        """Actions for a batch of observations [N, *obs_shape]: the mode, or a sample drawn with `key`."""
-        dist, _ = self.network.apply(params, obs)
-        if deterministic:
-            return dist.mode()
-        if key is None:
-            raise ValueError("a stochastic action (deterministic=False) needs a key")
-        return dist.sample(key)
+        """Actions of a feed-forward policy for a batch of observations: the mode, or a sample drawn with `key`."""
+        if self.recurrent:
+            raise ValueError(f"network.recurrent={self.network.recurrent}: use policy.step with a carry")
+        return self.step(params, None, obs, None, key, deterministic)[1]
 
     @functools.cached_property
     def _jitted_act(self) -> Callable:
@@ -72,4 +102,5 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     finally:
         checkpointer.close()
     return Policy(config=config, env=experiment.env, network=experiment.network,
-                  params=sharding.first_shard(state.params), counters=counters)
+                  params=sharding.first_shard(state.params), obs_moments=sharding.first_shard(state.obs_moments),
+                  counters=counters)

@@ -9,16 +9,18 @@ normalisation, gradients, logged metrics) is reduced over all shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxddppo.config import PPOConfig
+from jaxddppo.acting import policy_step, prepare_observations
+from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic
+from jaxddppo.networks import ActorCritic, unroll
+from jaxddppo.normalization import RunningMoments, discounted_returns, init_moments, scale, update_moments
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
 from jaxddppo.sharding import Topology, pmean_over_shards
 
@@ -54,20 +56,29 @@ class UpdateSettings:
     normalize_advantages: bool
     anneal_lr: bool
     adam_eps: float
+    num_envs: int  # per shard
+    recurrent: bool  # minibatches are whole environment sequences
+    normalize_observations: bool
+    scale_rewards: bool
 
     @classmethod
-    def from_config(cls, config: PPOConfig, topology: Topology) -> "UpdateSettings":
+    def from_config(cls, config: Config, topology: Topology) -> "UpdateSettings":
+        ppo = config.ppo
         return cls(
-            num_steps=config.num_steps,
-            num_epochs=config.num_epochs,
-            num_minibatches=config.num_minibatches,
+            num_steps=ppo.num_steps,
+            num_epochs=ppo.num_epochs,
+            num_minibatches=ppo.num_minibatches,
             minibatch_size=topology.minibatch_size_per_shard,
             num_shards=topology.num_shards,
             num_updates=topology.num_updates,
-            clip_value=config.clip_value,
-            normalize_advantages=config.normalize_advantages,
-            anneal_lr=config.anneal_lr,
-            adam_eps=config.adam_eps,
+            clip_value=ppo.clip_value,
+            normalize_advantages=ppo.normalize_advantages,
+            anneal_lr=ppo.anneal_lr,
+            adam_eps=ppo.adam_eps,
+            num_envs=topology.num_envs_per_shard,
+            recurrent=config.network.recurrent is not None,
+            normalize_observations=config.env.normalize_observations,
+            scale_rewards=config.env.scale_rewards,
         )
 
     @property
@@ -84,13 +95,25 @@ class TrainState:
     rollout: RolloutState
     key: jax.Array  # this shard's key; each update folds in its index
     update_index: jax.Array  # int32, updates done so far
+    obs_moments: Optional[RunningMoments] = None  # env.normalize_observations: all shards' observations
+    return_moments: Optional[RunningMoments] = None  # env.scale_rewards: all shards' discounted returns
+
+
+@struct.dataclass
+class SequenceObs:
+    """A recurrent policy's input: whole environment sequences and the carry they start from."""
+
+    obs: jax.Array  # [T, B, ...] as the network sees them (normalised if the run normalises)
+    episode_start: jax.Array  # [T, B]
+    carry: Any  # leaves [B, ...]: the carry before each sequence's first step
 
 
 @struct.dataclass
 class Batch:
-    """Learning samples, flat over [T * B] or split into minibatches."""
+    """Learning samples: flat over [T * B] (feed-forward) or [T, B] sequences (recurrent; `obs`
+    is then a SequenceObs), or one minibatch of either."""
 
-    obs: jax.Array
+    obs: Any
     action: jax.Array
     log_prob: jax.Array
     value: jax.Array
@@ -205,6 +228,42 @@ def shard_gradients(
     return grads, info.replace(grad_norm=optax.tree.norm(grads))
 
 
+def take_samples(batch: Batch, index: jax.Array) -> Batch:
+    """The samples `index` [n] of a flat batch."""
+    return jax.tree.map(lambda x: x[index], batch)
+
+
+def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
+    """The whole sequences of environments `env_index` [n] of a sequence batch, steps in order."""
+    sequences = batch.obs
+    fields = jax.tree.map(lambda x: x[:, env_index], batch.replace(obs=None))
+    return fields.replace(obs=SequenceObs(
+        obs=sequences.obs[:, env_index],
+        episode_start=sequences.episode_start[:, env_index],
+        carry=jax.tree.map(lambda c: c[env_index], sequences.carry),
+    ))
+
+
+def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
+    """[num_epochs, num_minibatches, envs per minibatch]: a fresh permutation of the envs per epoch."""
+    permutations = jax.vmap(lambda k: jax.random.permutation(k, settings.num_envs))(
+        jax.random.split(key, settings.num_epochs)
+    )
+    return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
+
+
+def sequence_advantages(advantages: jax.Array, env_indices: jax.Array, normalize: bool) -> jax.Array:
+    """Each sequence minibatch's advantages [E, M, T, n] from `advantages` [T, B], normalised
+    over the global minibatch if asked (as for flat minibatches)."""
+    num_steps, num_envs = advantages.shape
+    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [E, M, T, n]
+    flat_advantages = advantages.reshape(-1)
+    if not normalize:
+        return flat_advantages[flat_indices]
+    per_minibatch = flat_indices.reshape(flat_indices.shape[:2] + (-1,))
+    return normalize_minibatch_advantages(flat_advantages, per_minibatch).reshape(flat_indices.shape)
+
+
 def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
     num_samples = settings.num_minibatches * settings.minibatch_size
@@ -223,18 +282,28 @@ def run_epochs(
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
 ) -> tuple[Any, Any, LossInfo]:
-    """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info."""
-    indices = minibatch_indices(key, settings)
-    if settings.normalize_advantages:
-        advantages = normalize_minibatch_advantages(batch.advantage, indices)
+    """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info.
+
+    Feed-forward minibatches are random samples; recurrent ones are random whole
+    environment sequences (truncated BPTT over the rollout).
+    """
+    if settings.recurrent:
+        indices = sequence_indices(key, settings)
+        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages)
+        take = take_sequences
     else:
-        advantages = batch.advantage[indices]
+        indices = minibatch_indices(key, settings)
+        if settings.normalize_advantages:
+            advantages = normalize_minibatch_advantages(batch.advantage, indices)
+        else:
+            advantages = batch.advantage[indices]
+        take = take_samples
     optimizer = make_optimizer(hyperparams, settings)
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         params, opt_state = carry
         index, advantage = xs
-        minibatch = jax.tree.map(lambda x: x[index], batch).replace(advantage=advantage)
+        minibatch = take(batch, index).replace(advantage=advantage)
         grads, info = shard_gradients(params, minibatch, apply_fn, hyperparams, settings.clip_value)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), info
@@ -246,17 +315,56 @@ def run_epochs(
     return params, opt_state, jax.tree.map(jnp.mean, infos)
 
 
-def flatten_rollout(transitions: Transition, advantages: jax.Array) -> Batch:
-    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch."""
+def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: jax.Array) -> Batch:
+    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` [T, B, ...] are
+    the observations as the network saw them."""
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     return Batch(
-        obs=flat(transitions.obs),
+        obs=flat(obs),
         action=flat(transitions.action),
         log_prob=flat(transitions.log_prob),
         value=flat(transitions.value),
         advantage=flat(advantages),
         target=flat(advantages + transitions.value),
     )
+
+
+def sequence_batch(transitions: Transition, advantages: jax.Array, obs: jax.Array, initial_carry: Any) -> Batch:
+    """The rollout as [T, B] sequences for a recurrent policy, starting from `initial_carry`."""
+    return Batch(
+        obs=SequenceObs(obs=obs, episode_start=transitions.episode_start, carry=initial_carry),
+        action=transitions.action,
+        log_prob=transitions.log_prob,
+        value=transitions.value,
+        advantage=advantages,
+        target=advantages + transitions.value,
+    )
+
+
+def loss_apply_fn(network: ActorCritic) -> Callable[[Any, Any], tuple[Any, jax.Array]]:
+    """(params, batch.obs) -> (distribution, value) as `ppo_loss` needs it."""
+    if not network.recurrent:
+        return network.apply
+    return lambda params, sequences: unroll(
+        network, params, sequences.carry, sequences.obs, sequences.episode_start
+    )[1:]
+
+
+@struct.dataclass
+class ScaledRewards:
+    rewards: jax.Array  # [T, B]
+    discounted_return: jax.Array  # [B] carried to the next rollout
+    moments: RunningMoments
+
+
+def scale_rollout_rewards(
+    transitions: Transition, discounted_return: jax.Array, moments: RunningMoments, gamma: jax.Array
+) -> ScaledRewards:
+    """Rewards divided by the running std of the discounted return, updated with every shard's rollout."""
+    dones = transitions.terminated | transitions.truncated
+    discounted_return, returns = discounted_returns(discounted_return, transitions.reward, dones, gamma)
+    moments = update_moments(moments, returns.reshape(-1))
+    return ScaledRewards(scale(moments, transitions.reward), discounted_return, moments)
 
 
 @struct.dataclass
@@ -284,18 +392,39 @@ def make_update(
 
     def update(state: TrainState, hyperparams: PPOHyperparams) -> tuple[TrainState, UpdateMetrics]:
         key_rollout, key_epochs = jax.random.split(jax.random.fold_in(state.key, state.update_index))
+
+        def policy(params: Any, carry: Any, obs: jax.Array, episode_start: Any) -> tuple[Any, Any, jax.Array]:
+            return policy_step(network, params, state.obs_moments, carry, obs, episode_start)
+
         rollout, transitions, episode_stats = collect_rollout(
-            env, network.apply, state.params, state.rollout, key_rollout, settings.num_steps
+            env, policy, state.params, state.rollout, key_rollout, settings.num_steps
         )
-        _, next_values = network.apply(state.params, transitions.final_obs)
+        if settings.recurrent:
+            next_values = transitions.next_value
+        else:
+            _, _, next_values = policy(state.params, None, transitions.final_obs, None)
+        rewards, return_moments = transitions.reward, state.return_moments
+        if settings.scale_rewards:
+            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, hyperparams.gamma)
+            rewards, return_moments = scaled.rewards, scaled.moments
+            rollout = rollout.replace(discounted_return=scaled.discounted_return)
         advantages = gae(
-            transitions.reward, transitions.value, next_values,
+            rewards, transitions.value, next_values,
             transitions.terminated, transitions.truncated,
             hyperparams.gamma, hyperparams.gae_lambda,
         )
-        batch = flatten_rollout(transitions, advantages)
+        # The batch sees observations normalised as when they were acted on, so the
+        # first epoch's ratios start at 1; the statistics then take in this rollout.
+        obs = prepare_observations(state.obs_moments, transitions.obs)
+        if settings.recurrent:
+            batch = sequence_batch(transitions, advantages, obs, state.rollout.carry)
+        else:
+            batch = flatten_rollout(transitions, advantages, obs)
+        obs_moments = state.obs_moments
+        if settings.normalize_observations:
+            obs_moments = update_moments(obs_moments, transitions.obs.reshape((-1,) + transitions.obs.shape[2:]))
         params, opt_state, info = run_epochs(
-            state.params, state.opt_state, batch, key_epochs, network.apply, hyperparams, settings
+            state.params, state.opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
         # Means over shards of per-shard means are global means: every shard has equally many samples.
         totals = pmean_over_shards(_ShardTotals(
@@ -318,7 +447,8 @@ def make_update(
             episodes_completed=jnp.round(episodes.count * settings.num_shards),
         )
         new_state = state.replace(
-            params=params, opt_state=opt_state, rollout=rollout, update_index=state.update_index + 1
+            params=params, opt_state=opt_state, rollout=rollout, update_index=state.update_index + 1,
+            obs_moments=obs_moments, return_moments=return_moments,
         )
         return new_state, metrics
 
@@ -341,10 +471,20 @@ def init_train_state(
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
     params = network.init(jax.random.fold_in(root, 0), obs)
     opt_state = make_optimizer(hyperparams, settings).init(params)
+    rollout = RolloutState(env_state, obs)
+    if network.recurrent:
+        rollout = rollout.replace(
+            carry=network.initial_carry(num_envs_per_shard),
+            episode_start=jnp.ones((num_envs_per_shard,), bool),
+        )
+    if settings.scale_rewards:
+        rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
     return TrainState(
         params=params,
         opt_state=opt_state,
-        rollout=RolloutState(env_state, obs),
+        rollout=rollout,
         key=jax.random.fold_in(shard_key, 1),
         update_index=jnp.zeros((), jnp.int32),
+        obs_moments=init_moments(env.spec.obs_shape) if settings.normalize_observations else None,
+        return_moments=init_moments(()) if settings.scale_rewards else None,
     )

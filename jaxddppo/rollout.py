@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -10,14 +10,15 @@ from flax import struct
 
 from jaxddppo.envs import BatchedEnv, EpisodeState
 
-ApplyFn = Callable[[Any, jax.Array], tuple[Any, jax.Array]]
+# (params, carry, obs [B, ...], episode_start [B] or None) -> (carry, distribution, value [B])
+PolicyFn = Callable[[Any, Any, jax.Array, Optional[jax.Array]], tuple[Any, Any, jax.Array]]
 
 
 @struct.dataclass
 class Transition:
     """One rollout, time-major: every leaf is [T, B, ...]."""
 
-    obs: jax.Array  # observation acted on
+    obs: jax.Array  # observation acted on, as the environment gave it (not normalised)
     action: jax.Array
     log_prob: jax.Array  # log pi_old(action | obs)
     value: jax.Array  # V_old(obs)
@@ -25,6 +26,9 @@ class Transition:
     terminated: jax.Array  # true end of episode: no bootstrap
     truncated: jax.Array  # time limit: bootstrap from final_obs
     final_obs: jax.Array  # observation reached by the step, before any auto-reset
+    # Recurrent policies only (None otherwise):
+    episode_start: Optional[jax.Array] = None  # obs is the first of its episode: the carry was reset
+    next_value: Optional[jax.Array] = None  # V_old(final_obs) with the carry after the step
 
 
 @struct.dataclass
@@ -33,6 +37,9 @@ class RolloutState:
 
     env: EpisodeState
     obs: jax.Array  # [B, *obs_shape]
+    carry: Any = None  # recurrent policies: the carry before acting on obs
+    episode_start: Optional[jax.Array] = None  # recurrent policies: [B] obs is an episode's first
+    discounted_return: Optional[jax.Array] = None  # reward scaling: [B] discounted return so far
 
 
 @struct.dataclass
@@ -45,13 +52,19 @@ class EpisodeStats:
 
 
 def collect_rollout(
-    env: BatchedEnv, apply_fn: ApplyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int
+    env: BatchedEnv, policy: PolicyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int
 ) -> tuple[RolloutState, Transition, EpisodeStats]:
-    """Step every environment `num_steps` times with actions sampled from the policy."""
+    """Step every environment `num_steps` times with actions sampled from the policy.
+
+    A recurrent policy (`state.carry` not None) carries its state from step to
+    step, resets it where an episode starts, and values each step's final_obs
+    with the carry the step produced.
+    """
+    recurrent = state.carry is not None
 
     def step(carry: RolloutState, step_key: jax.Array) -> tuple[RolloutState, tuple[Transition, Any]]:
         key_action, key_env = jax.random.split(step_key)
-        dist, value = apply_fn(params, carry.obs)
+        policy_carry, dist, value = policy(params, carry.carry, carry.obs, carry.episode_start)
         action = dist.sample(key_action)
         env_state, result = env.step(key_env, carry.env, action)
         transition = Transition(
@@ -65,7 +78,13 @@ def collect_rollout(
             final_obs=result.final_obs,
         )
         ended = (result.episode_return, result.episode_length, result.terminated | result.truncated)
-        return RolloutState(env_state, result.obs), (transition, ended)
+        next_state = carry.replace(env=env_state, obs=result.obs)
+        if recurrent:
+            done = result.terminated | result.truncated
+            _, _, next_value = policy(params, policy_carry, result.final_obs, jnp.zeros_like(done))
+            transition = transition.replace(episode_start=carry.episode_start, next_value=next_value)
+            next_state = next_state.replace(carry=policy_carry, episode_start=done)
+        return next_state, (transition, ended)
 
     state, (transitions, (returns, lengths, ended)) = jax.lax.scan(step, state, jax.random.split(key, num_steps))
     stats = EpisodeStats(

@@ -85,6 +85,13 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
         ("ppo.num_minibatches", config.ppo.num_minibatches),
         "change ppo.num_minibatches, ppo.num_steps or env.num_envs",
     )
+    if config.network.recurrent is not None:
+        _require_divisible(
+            (f"env.num_envs/{shard_key}", num_envs_per_shard),
+            ("ppo.num_minibatches", config.ppo.num_minibatches),
+            f"network.recurrent={config.network.recurrent} minibatches are whole environment sequences; "
+            "change ppo.num_minibatches or env.num_envs",
+        )
     env_steps_per_update = num_envs * config.ppo.num_steps
     num_updates = config.train.total_env_steps // env_steps_per_update
     if num_updates < 1:
@@ -137,6 +144,11 @@ def shard_sharding(mesh: Mesh) -> NamedSharding:
 def pmean_over_shards(tree: Any) -> Any:
     """Mean over every shard (call inside a function wrapped by `shard_parallel`)."""
     return jax.lax.pmean(tree, _ALL_SHARD_AXES)
+
+
+def psum_over_shards(tree: Any) -> Any:
+    """Sum over every shard (call inside a function wrapped by `shard_parallel`)."""
+    return jax.lax.psum(tree, _ALL_SHARD_AXES)
 
 
 def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:

@@ -84,18 +84,18 @@ class Experiment:
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
 
-    def eval_fn(self) -> Callable[[Any, jax.Array, jax.Array], EvalStats]:
-        """`(params, update_index, shard_index) -> EvalStats`, every argument and leaf [num_shards].
+    def eval_fn(self) -> Callable[[Any, Any, jax.Array, jax.Array], EvalStats]:
+        """`(params, obs_moments, update_index, shard_index) -> EvalStats`, every argument and leaf [num_shards].
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
         config, topology = self.config, self.topology
         eval_root = jax.random.fold_in(jax.random.key(config.train.seed), 3)
 
-        def evaluate(params: Any, update_index: jax.Array, shard_index: jax.Array) -> EvalStats:
+        def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard_index: jax.Array) -> EvalStats:
             return evaluate_on_shards(
                 self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard_index,
-                config.eval.num_episodes, topology.num_shards,
+                config.eval.num_episodes, topology.num_shards, obs_moments,
             )
 
         return sharding.shard_parallel(evaluate, self.mesh)
@@ -116,7 +116,7 @@ def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Exp
         mesh=mesh,
         env=env,
         network=network,
-        settings=UpdateSettings.from_config(config.ppo, topology),
+        settings=UpdateSettings.from_config(config, topology),
         hyperparams=PPOHyperparams.from_config(config.ppo),
     )
 
@@ -300,14 +300,16 @@ class PeriodicEval:
     chunks: it is a collective over all shards."""
 
     every_updates: int
-    evaluate: Callable[[Any, jax.Array, jax.Array], EvalStats]
+    evaluate: Callable[[Any, Any, jax.Array, jax.Array], EvalStats]
     shard_indices: jax.Array
 
     def after(self, state: TrainState, updates_done: int) -> Optional[EvalStats]:
         """Evaluate the current policy if `updates_done` is on the cadence; host statistics or None."""
         if updates_done % self.every_updates:
             return None
-        return sharding.first_shard(self.evaluate(state.params, state.update_index, self.shard_indices))
+        return sharding.first_shard(
+            self.evaluate(state.params, state.obs_moments, state.update_index, self.shard_indices)
+        )
 
 
 def compile_periodic_eval(experiment: Experiment, state: TrainState) -> Optional[PeriodicEval]:
@@ -316,7 +318,7 @@ def compile_periodic_eval(experiment: Experiment, state: TrainState) -> Optional
     if every_updates == 0:
         return None
     indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
-    compiled = experiment.eval_fn().lower(state.params, state.update_index, indices).compile()
+    compiled = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, indices).compile()
     return PeriodicEval(every_updates, compiled, indices)
 
 
@@ -381,7 +383,7 @@ def summarise(experiment: Experiment, state: TrainState, counters: RunCounters, 
     config, topology = experiment.config, experiment.topology
     evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
         experiment.env, experiment.network, sharding.first_shard(state.params),
-        final_eval_key(config), config.eval.num_episodes,
+        final_eval_key(config), config.eval.num_episodes, sharding.first_shard(state.obs_moments),
     )
     eval_returns = np.asarray(evaluation.returns, np.float64)
     return {

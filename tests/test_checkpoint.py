@@ -21,14 +21,16 @@ from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer
 from jaxddppo.config import ConfigError, from_dict, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
+from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
 from jaxddppo.train import NonFiniteError, build, chunk_plan, chunk_sizes_needed, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4.
+# CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
+# with both running statistics, so that they too must survive a resume exactly.
 SMALL = {
-    "env": {"num_envs": 8},
+    "env": {"num_envs": 8, "normalize_observations": True, "scale_rewards": True},
     "ppo": {"num_steps": 16},
     "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
     "checkpoint": {"every_updates": 4},
@@ -294,8 +296,9 @@ def test_load_policy_acts_like_the_trained_params(one_go):
     for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(sharding.first_shard(one_go.state.params)),
                          strict=True):
         np.testing.assert_array_equal(got, want)
+    assert policy.obs_moments is not None and float(policy.obs_moments.count) > 0
     obs = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
-    dist, _ = policy.network.apply(policy.params, obs)
+    dist, _ = policy.network.apply(policy.params, normalize(policy.obs_moments, obs))
     np.testing.assert_array_equal(np.asarray(policy(obs)), np.asarray(dist.mode()))
     act = jax.jit(jax.vmap(functools.partial(policy.act, deterministic=False), in_axes=(None, 0, 0)))
     sampled = act(policy.params, obs[:, None], jax.random.split(jax.random.key(0), 16))
@@ -313,3 +316,18 @@ def test_evaluate_bad_input_is_one_line_and_exit_2(one_go, args, message):
     result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", *(a.format(run=one_go.run_dir) for a in args)],
                             env=cli_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.strip() == message.format(run=one_go.run_dir), result.stderr
+
+
+def test_recurrent_policy_loads_and_reproduces_its_evaluation(tmp_path):
+    run_dir = tmp_path / "run"
+    config = small_config(run_dir, network={"recurrent": "gru", "recurrent_size": 16},
+                          ppo={"num_minibatches": 2}, train={"total_env_steps": 4 * 128})
+    result = run(config, devices=jax.devices()[:4])
+    policy = load_policy(str(run_dir))
+    assert policy.recurrent
+    with pytest.raises(ValueError, match="use policy.step with a carry"):
+        policy(np.zeros((2, 4), np.float32))
+    carry = policy.initial_carry(2)
+    carry, action = policy.step(policy.params, carry, np.zeros((2, 4), np.float32), np.ones(2, bool))
+    assert action.shape == (2,)
+    assert statistics(evaluate(policy))["return_mean"] == result.summary["eval_return_mean"]

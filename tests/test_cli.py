@@ -195,6 +195,11 @@ BAD_INPUTS = [
      ["ppo.num_minibatches", "3", "512"]),
     ("eval_off_chunk_boundaries", ["eval.every_updates=3", "train.updates_per_chunk=2"], {},
      ["eval.every_updates", "3", "train.updates_per_chunk", "2"]),
+    ("invalid_recurrent_core", ["network.recurrent=rnn"], {}, ["network.recurrent", "rnn", "gru", "lstm"]),
+    # 6 envs x 128 steps split into 4 minibatches of samples, but not into 4 of whole sequences.
+    ("sequences_not_divisible_by_minibatches",
+     ["network.recurrent=gru", "env.num_envs=6", "ppo.num_minibatches=4"], {},
+     ["env.num_envs", "=6", "ppo.num_minibatches=4", "network.recurrent=gru"]),
     ("less_than_one_update", ["env.num_envs=4", "ppo.num_steps=16", "train.total_env_steps=63"], {},
      ["train.total_env_steps", "63", "64"]),
     ("unknown_env", ["env.id=NotAnEnv-v0"], {}, ["env.id", "NotAnEnv-v0", "CartPole-v1", "Pendulum-v1"]),

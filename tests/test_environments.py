@@ -22,7 +22,7 @@ def test_rollout_runs_on_every_environment(env_id):
     def rollout(key):
         obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
         params = network.init(jax.random.fold_in(key, 1), obs)
-        return collect_rollout(env, network.apply, params, RolloutState(env_state, obs),
+        return collect_rollout(env, network.step, params, RolloutState(env_state, obs),
                                jax.random.fold_in(key, 2), NUM_STEPS)
 
     _, transitions, stats = rollout(jax.random.key(0))

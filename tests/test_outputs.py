@@ -59,7 +59,7 @@ def eval_on_shards(config_values: dict, num_devices: int, update_index: int):
     indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
     update = jax.device_put(np.full(experiment.topology.num_shards, update_index, np.int32),
                             sharding.shard_sharding(experiment.mesh))
-    stats = sharding.all_shards(experiment.eval_fn()(params, update, indices))
+    stats = sharding.all_shards(experiment.eval_fn()(params, None, update, indices))
     return experiment, sharding.first_shard(params), stats
 
 
@@ -130,7 +130,7 @@ def test_run_evaluates_on_its_cadence_with_the_current_policy(logged_run):
     # The last evaluation is of the final parameters, with the key of update 8.
     experiment = build(config, jax.devices()[:2])
     indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
-    final = sharding.first_shard(experiment.eval_fn()(result.state.params, result.state.update_index, indices))
+    final = sharding.first_shard(experiment.eval_fn()(result.state.params, result.state.obs_moments, result.state.update_index, indices))
     assert [rows[-1][name] for name in eval_names] == [
         float(final.return_mean), float(final.return_std), float(final.length_mean)
     ]
