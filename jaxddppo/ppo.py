@@ -34,6 +34,7 @@ class PPOHyperparams:
     vf_coef: jax.Array
     ent_coef: jax.Array
     max_grad_norm: jax.Array
+    adam_eps: jax.Array
 
     @classmethod
     def from_config(cls, config: PPOConfig) -> "PPOHyperparams":
@@ -53,7 +54,6 @@ class UpdateSettings:
     clip_value: bool
     normalize_advantages: bool
     anneal_lr: bool
-    adam_eps: float
 
     @classmethod
     def from_config(cls, config: PPOConfig, topology: Topology) -> "UpdateSettings":
@@ -67,7 +67,6 @@ class UpdateSettings:
             clip_value=config.clip_value,
             normalize_advantages=config.normalize_advantages,
             anneal_lr=config.anneal_lr,
-            adam_eps=config.adam_eps,
         )
 
     @property
@@ -171,7 +170,7 @@ def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> opt
     """Global-norm clipping, then Adam, then the (annealed) learning rate."""
     return optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
-        optax.scale_by_adam(eps=settings.adam_eps),
+        optax.scale_by_adam(eps=hyperparams.adam_eps),
         optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
     )
 
@@ -325,21 +324,31 @@ def make_update(
     return update
 
 
+def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array) -> Any:
+    """The parameters every shard of a run starts from: one key, shared by all shards."""
+    return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
+
+
 def init_train_state(
     shard_index: jax.Array,
-    seed: int,
+    seed: int | jax.Array,
     env: BatchedEnv,
     network: ActorCritic,
     num_envs_per_shard: int,
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
+    params: Any = None,
 ) -> TrainState:
-    """One shard's initial state. Parameters come from one key shared by every shard;
-    environment and update keys are folded from the global shard index."""
+    """One shard's initial state. Parameters are `initial_params(seed, ...)` unless given;
+    environment and update keys are folded from the global shard index.
+
+    A sweep passes `params` in, computed one member at a time: XLA on CPU can hang
+    running a program that initialises several members' networks at once (batched QR).
+    """
     root = jax.random.key(seed)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = network.init(jax.random.fold_in(root, 0), obs)
+    params = initial_params(seed, network, obs) if params is None else params
     opt_state = make_optimizer(hyperparams, settings).init(params)
     return TrainState(
         params=params,

@@ -11,14 +11,15 @@ import argparse
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from jaxddppo import sharding
-from jaxddppo.config import Config, ConfigError, help_text, load_config, to_yaml
+from jaxddppo.config import Config, ConfigError, as_config, help_text, load_config, to_yaml
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.evaluation import evaluate_policy
 from jaxddppo.logging import METRIC_FIELDS, MetricsWriter, Progress, write_json
@@ -315,6 +316,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`jaxddppo.train(config)` calls `run`; the module stays a module."""
+
+    def __call__(self, config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None
+                 ) -> TrainResult:
+        return run(as_config(config), devices)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())
