@@ -193,10 +193,16 @@ def place_population(num_members: int, num_shards: Optional[int], num_devices: i
         shards = columns if num_shards is None else num_shards
         if shards % columns == 0:
             return Placement(num_members, shards, rows, columns)
+    if member_devices is not None:
+        raise ConfigError(
+            f"train.num_shards={num_shards} does not split over the {num_devices // member_devices} devices each member "
+            f"gets with --member-devices={member_devices}; set train.num_shards to a multiple of "
+            f"{num_devices // member_devices} or change --member-devices"
+        )
     raise ConfigError(
         f"cannot place {num_members} member(s) x train.num_shards={num_shards} shard(s) on {num_devices} devices: "
         f"need member devices x shard devices = {num_devices}, member devices dividing {num_members} and shard "
-        f"devices dividing {num_shards}; change train.num_shards, the member count or --member-devices"
+        f"devices dividing {num_shards}; change train.num_shards or the member count"
     )
 
 
