@@ -29,7 +29,16 @@ from flax import struct
 from matplotlib.figure import Figure
 
 from jaxddppo import sharding
-from jaxddppo.config import Config, ConfigError, as_config, help_text, load_config, options, to_yaml, with_overrides
+from jaxddppo.config import (
+    Config,
+    ConfigError,
+    as_config,
+    help_text,
+    load_config,
+    options,
+    to_yaml,
+    with_overrides,
+)
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.evaluation import EvalResult, evaluate_policy
 from jaxddppo.logging import MetricsWriter, Progress, json_safe, write_json
@@ -43,7 +52,13 @@ from jaxddppo.ppo import (
     initial_params,
     make_update,
 )
-from jaxddppo.train import chunk_episode_return, chunk_sizes, claim_run_dir, metrics_rows, process_label
+from jaxddppo.train import (
+    chunk_episode_return,
+    chunk_sizes,
+    claim_run_dir,
+    metrics_rows,
+    process_label,
+)
 
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
 SWEEPABLE_KEYS: tuple[str, ...] = tuple(f"ppo.{name}" for name in PPOHyperparams.__dataclass_fields__)
