@@ -13,7 +13,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import yaml
 from omegaconf import OmegaConf
@@ -339,6 +339,36 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
     if before["run.dir"] != after["run.dir"]:
         raise ConfigError(f"run.dir={after['run.dir']!r} cannot be set on resume: the run directory is {run_dir}")
     return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
+
+
+def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
+    """`config` with dotted keys replaced, e.g. {"ppo.learning_rate": 1e-3}; validated."""
+    nested: dict = {}
+    for key, value in overrides.items():
+        *sections, leaf = key.split(".")
+        if not sections:
+            _check_sections({key: value}, "override")
+            raise ConfigError(f"override: {_unknown_key_message(key)}")
+        target = nested
+        for name in sections:
+            target = target.setdefault(name, {})
+        target[leaf] = list(value) if isinstance(value, tuple) else value
+    merged = _merge(OmegaConf.structured(config), OmegaConf.create(nested), "override")
+    result = OmegaConf.to_object(merged)
+    validate(result)
+    return result
+
+
+def as_config(config: Union[Config, Mapping, str, os.PathLike]) -> Config:
+    """A Config from a Config, a nested dict (`from_dict`) or a YAML path (`load_config`)."""
+    if isinstance(config, Config):
+        validate(config)
+        return config
+    if isinstance(config, Mapping):
+        return from_dict(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        return load_config(os.fspath(config))
+    raise ConfigError(f"config must be a Config, a dict or a YAML path, not {type(config).__name__}")
 
 
 def to_dict(config: Config) -> dict:

@@ -36,6 +36,7 @@ class PPOHyperparams:
     vf_coef: jax.Array
     ent_coef: jax.Array
     max_grad_norm: jax.Array
+    adam_eps: jax.Array
 
     @classmethod
     def from_config(cls, config: PPOConfig) -> "PPOHyperparams":
@@ -55,7 +56,6 @@ class UpdateSettings:
     clip_value: bool
     normalize_advantages: bool
     anneal_lr: bool
-    adam_eps: float
     num_envs: int  # per shard
     recurrent: bool  # minibatches are whole environment sequences
     normalize_observations: bool
@@ -74,7 +74,6 @@ class UpdateSettings:
             clip_value=ppo.clip_value,
             normalize_advantages=ppo.normalize_advantages,
             anneal_lr=ppo.anneal_lr,
-            adam_eps=ppo.adam_eps,
             num_envs=topology.num_envs_per_shard,
             recurrent=config.network.recurrent is not None,
             normalize_observations=config.env.normalize_observations,
@@ -194,7 +193,7 @@ def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> opt
     """Global-norm clipping, then Adam, then the (annealed) learning rate."""
     return optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
-        optax.scale_by_adam(eps=settings.adam_eps),
+        optax.scale_by_adam(eps=hyperparams.adam_eps),
         optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
     )
 
@@ -455,21 +454,31 @@ def make_update(
     return update
 
 
+def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array) -> Any:
+    """The parameters every shard of a run starts from: one key, shared by all shards."""
+    return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
+
+
 def init_train_state(
     shard_index: jax.Array,
-    seed: int,
+    seed: int | jax.Array,
     env: BatchedEnv,
     network: ActorCritic,
     num_envs_per_shard: int,
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
+    params: Any = None,
 ) -> TrainState:
-    """One shard's initial state. Parameters come from one key shared by every shard;
-    environment and update keys are folded from the global shard index."""
+    """One shard's initial state. Parameters are `initial_params(seed, ...)` unless given;
+    environment and update keys are folded from the global shard index.
+
+    A sweep passes `params` in, computed one member at a time: XLA on CPU can hang
+    running a program that initialises several members' networks at once (batched QR).
+    """
     root = jax.random.key(seed)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = network.init(jax.random.fold_in(root, 0), obs)
+    params = initial_params(seed, network, obs) if params is None else params
     opt_state = make_optimizer(hyperparams, settings).init(params)
     rollout = RolloutState(env_state, obs)
     if network.recurrent:

@@ -8,6 +8,11 @@ state has a leading axis of length `num_shards`, split over the mesh axis
 cross-shard reduction reduces over both axes, so the result does not depend on
 how shards map to devices.
 
+A sweep trains a *population* of independent members (seeds x hyperparameters)
+in one program: state leaves get a leading `[num_members, num_shards]` pair of
+axes, split over a two-axis mesh `(MEMBER_AXIS, DEVICE_AXIS)`. Members never
+communicate; a member's shards reduce over `DEVICE_AXIS` within its mesh row.
+
 Other modules never name an axis: they call `pmean_over_shards` and friends.
 """
 
@@ -29,6 +34,7 @@ from jaxddppo.config import Config, ConfigError, DistributedConfig
 
 SHARD_AXIS = "shard"
 DEVICE_AXIS = "device"
+MEMBER_AXIS = "member"
 _ALL_SHARD_AXES = (SHARD_AXIS, DEVICE_AXIS)
 
 
@@ -159,17 +165,114 @@ def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, .
     `per_shard` is the local gradient, and `pmean_over_shards` then averages it
     (with the default `check_vma=True`, grad would already sum over devices).
     """
-    spec = PartitionSpec(DEVICE_AXIS)
-    mapped = jax.shard_map(
-        jax.vmap(per_shard, axis_name=SHARD_AXIS),
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-        check_vma=False,
-    )
+    return _jit_over_mesh(jax.vmap(per_shard, axis_name=SHARD_AXIS), mesh, PartitionSpec(DEVICE_AXIS),
+                          donate_argnums)
+
+
+def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec,
+                   donate_argnums: tuple[int, ...]) -> Callable:
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
     # P() for some outputs, and feeding them back in would recompile.
-    return jax.jit(mapped, out_shardings=shard_sharding(mesh), donate_argnums=donate_argnums)
+    return jax.jit(mapped, out_shardings=NamedSharding(mesh, spec), donate_argnums=donate_argnums)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a population of members x shards maps onto a (member, device) mesh."""
+
+    num_members: int
+    num_shards: int  # per member
+    member_devices: int  # mesh rows: members are split over them
+    shard_devices: int  # mesh columns: each member's shards are split over them
+
+    @property
+    def members_per_device(self) -> int:
+        return self.num_members // self.member_devices
+
+    @property
+    def shards_per_device(self) -> int:
+        return self.num_shards // self.shard_devices
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def place_population(num_members: int, num_shards: Optional[int], num_devices: int,
+                     member_devices: Optional[int] = None) -> Placement:
+    """Split `num_devices` into member_devices x shard_devices; raise ConfigError if impossible.
+
+    member_devices must divide the member count and shard_devices the shard count.
+    By default members get as many devices as possible (members never communicate);
+    `num_shards=None` then means one shard per device of a member's row.
+    """
+    if member_devices is not None:
+        if member_devices < 1 or num_devices % member_devices:
+            raise ConfigError(f"--member-devices={member_devices} must divide the device count {num_devices}")
+        _require_divisible(("the member count (grid points x seeds)", num_members),
+                           ("--member-devices", member_devices),
+                           "choose --member-devices dividing the member count")
+        candidates = [member_devices]
+    else:
+        candidates = [d for d in reversed(_divisors(num_devices)) if num_members % d == 0]
+    for rows in candidates:
+        columns = num_devices // rows
+        shards = columns if num_shards is None else num_shards
+        if shards % columns == 0:
+            return Placement(num_members, shards, rows, columns)
+    if member_devices is not None:
+        raise ConfigError(
+            f"train.num_shards={num_shards} does not split over the {num_devices // member_devices} devices each member "
+            f"gets with --member-devices={member_devices}; set train.num_shards to a multiple of "
+            f"{num_devices // member_devices} or change --member-devices"
+        )
+    raise ConfigError(
+        f"cannot place {num_members} member(s) x train.num_shards={num_shards} shard(s) on {num_devices} devices: "
+        f"need member devices x shard devices = {num_devices}, member devices dividing {num_members} and shard "
+        f"devices dividing {num_shards}; change train.num_shards or the member count"
+    )
+
+
+def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A (member, device) mesh: each row holds whole members, a row's devices split their shards."""
+    grid = np.asarray(jax.devices() if devices is None else devices).reshape(
+        placement.member_devices, placement.shard_devices
+    )
+    return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
+
+
+def population_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:
+    """`shard_parallel` for a population: leaves lead with [num_members, num_shards].
+
+    Members are vmapped without an axis name, so `pmean_over_shards` inside
+    `per_shard` reduces over one member's shards only.
+    """
+    per_member = jax.vmap(per_shard, axis_name=SHARD_AXIS)
+    return _jit_over_mesh(jax.vmap(per_member), mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS), donate_argnums)
+
+
+def put_population(tree: Any, mesh: Mesh) -> Any:
+    """Host arrays with leading [num_members, num_shards] as global arrays over a population mesh."""
+    sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS))
+
+    def put(leaf: Any) -> jax.Array:
+        host = np.asarray(leaf)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
+def member_first_shards(tree: Any) -> Any:
+    """Host copy of shard 0 of every member, for every leaf: [num_members, ...] (every process)."""
+    gathered = multihost_utils.process_allgather(jax.tree.map(lambda leaf: leaf[:, 0], tree), tiled=True)
+    return jax.tree.map(np.asarray, gathered)
+
+
+def params_digests(params: Any) -> list[float]:
+    """`params_digest` of every member of a population (shard 0 of each)."""
+    leaves = jax.tree.leaves(member_first_shards(params))
+    return [_host_digest([leaf[member] for leaf in leaves]) for member in range(leaves[0].shape[0])]
 
 
 def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
@@ -195,7 +298,10 @@ def all_shards(tree: Any) -> Any:
 
 def params_digest(params: Any) -> float:
     """float64 sum of |p| over every parameter of one shard."""
-    leaves = jax.tree.leaves(first_shard(params))
+    return _host_digest(jax.tree.leaves(first_shard(params)))
+
+
+def _host_digest(leaves: list[np.ndarray]) -> float:
     return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
 
 
@@ -292,11 +398,26 @@ def _compiled_checksum(mesh: Mesh) -> Callable:
 def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
     """Raise ReplicaDivergence unless every shard on every process holds bitwise the same params."""
     checksums = _compiled_checksum(mesh)(params)
-    every_shard = np.asarray(multihost_utils.process_allgather(checksums, tiled=True))
+    _raise_on_divergence(np.asarray(multihost_utils.process_allgather(checksums, tiled=True)), after_update, "")
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_population_checksum(mesh: Mesh) -> Callable:
+    return population_parallel(_bit_checksum, mesh)
+
+
+def check_population_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
+    """`check_replicas` for a population: within every member, every shard holds the same params."""
+    checksums = _compiled_population_checksum(mesh)(params)
+    for member, row in enumerate(np.asarray(multihost_utils.process_allgather(checksums, tiled=True))):
+        _raise_on_divergence(row, after_update, f" of member {member}")
+
+
+def _raise_on_divergence(every_shard: np.ndarray, after_update: int, whose: str) -> None:
     differing = [int(i) for i in np.flatnonzero(every_shard != every_shard[0])]
     if differing:
         raise ReplicaDivergence(
-            f"replicas diverged after update {after_update}: shard(s) {differing} differ from shard 0 "
+            f"replicas{whose} diverged after update {after_update}: shard(s) {differing} differ from shard 0 "
             f"(parameter bit checksums {every_shard.tolist()}); check that every host runs the same "
             "jaxddppo, JAX and jaxlib versions"
         )

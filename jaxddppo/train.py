@@ -12,8 +12,9 @@ import math
 import os
 import sys
 import time
+import types
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,16 @@ from jaxddppo.checkpoint import (
     RunCounters,
     StopSignals,
 )
-from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError, help_text, load_config, load_resume_config, to_yaml
+from jaxddppo.config import (
+    RESUMABLE_KEYS,
+    Config,
+    ConfigError,
+    as_config,
+    help_text,
+    load_config,
+    load_resume_config,
+    to_yaml,
+)
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.evaluation import EvalStats, evaluate_on_shards, evaluate_policy
 from jaxddppo.logging import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
@@ -583,6 +593,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     return PREEMPTED_EXIT_CODE if result.preempted else 0
 
+
+class _CallableModule(types.ModuleType):
+    """`jaxddppo.train(config)` calls `run`; the module stays a module."""
+
+    def __call__(self, config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
+                 resume: bool = False, stop_after_updates: Optional[int] = None) -> TrainResult:
+        return run(as_config(config), devices, resume=resume, stop_after_updates=stop_after_updates)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

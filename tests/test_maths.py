@@ -147,6 +147,7 @@ def hyperparams() -> PPOHyperparams:
         vf_coef=jnp.float32(VF_COEF),
         ent_coef=jnp.float32(ENT_COEF),
         max_grad_norm=jnp.float32(0.5),
+        adam_eps=jnp.float32(1e-5),
     )
 
 

@@ -1,0 +1,224 @@
+"""Sweeps: a population of grid points x seeds in one program, spread over devices.
+
+- A member trains as the single run of its config (two different members).
+- sweep.csv, metrics.jsonl and curves.png hold what the docs say.
+- Structural keys are refused with one line; placement is derived and validated.
+- `jaxddppo.train` / `jaxddppo.sweep` are callable, and `python -m` still works without warnings.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from matplotlib import image
+
+import jaxddppo
+from jaxddppo import sharding
+from jaxddppo.config import ConfigError, from_dict, with_overrides
+from jaxddppo.sweep import SWEEP_CSV_FIELDS, expand_members, split_overrides
+from jaxddppo.train import run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Same maths, but members are vmapped (batched matmuls) and hyperparameters traced: reduction order.
+INVARIANCE_RTOL = 1e-5
+
+# 4 envs x 16 steps = 64 env steps per update, 32 updates.
+SMALL = {
+    "env": {"id": "CartPole-v1", "num_envs": 4},
+    "ppo": {"num_steps": 16},
+    "train": {"total_env_steps": 2048, "updates_per_chunk": 8},
+    "eval": {"num_episodes": 4},
+    "run": {"progress": False},
+}
+LEARNING_RATES = [3e-4, 1e-3]
+NUM_SEEDS = 2
+
+
+@pytest.fixture(scope="module")
+def sweep_result(tmp_path_factory):
+    """2 learning rates x 2 seeds on 2 simulated devices, through the Python API."""
+    config = with_overrides(from_dict(SMALL), {"run.dir": str(tmp_path_factory.mktemp("sweep") / "run")})
+    return jaxddppo.sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS, devices=jax.devices()[:2])
+
+
+@pytest.mark.parametrize("member", [1, 2])
+def test_member_trains_as_its_single_run(sweep_result, member, tmp_path):
+    row = sweep_result.members[member]
+    single_config = with_overrides(from_dict(SMALL), {
+        "ppo.learning_rate": row["ppo.learning_rate"],
+        "train.seed": row["seed"],
+        "train.num_shards": sweep_result.summary["num_shards"],
+        "run.dir": str(tmp_path / "single"),
+    })
+    single = run(single_config, devices=jax.devices()[:1])
+    assert row["params_digest"] == pytest.approx(single.summary["params_digest"], rel=INVARIANCE_RTOL)
+    # A different member differs by far more than the tolerance.
+    other = sweep_result.members[3 - member]
+    assert abs(other["params_digest"] - row["params_digest"]) > 1e-3 * row["params_digest"]
+
+
+def test_sweep_csv_rows_and_columns(sweep_result):
+    with open(os.path.join(sweep_result.run_dir, "sweep.csv"), newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    fields = list(SWEEP_CSV_FIELDS)
+    assert list(rows[0]) == fields[:3] + ["ppo.learning_rate"] + fields[3:]
+    assert [int(r["member"]) for r in rows] == [0, 1, 2, 3]
+    assert [int(r["setting"]) for r in rows] == [0, 0, 1, 1]
+    assert [int(r["seed"]) for r in rows] == [0, 1, 0, 1]
+    assert [float(r["ppo.learning_rate"]) for r in rows] == [3e-4, 3e-4, 1e-3, 1e-3]
+    for row in rows:
+        assert np.isfinite(float(row["eval_return_mean"])) and float(row["eval_return_mean"]) >= 1
+        assert float(row["eval_return_std"]) >= 0
+        assert float(row["final_episode_return"]) >= 1
+    assert [float(r["params_digest"]) for r in rows] == [m["params_digest"] for m in sweep_result.members]
+
+
+def test_sweep_plot_is_a_png(sweep_result):
+    path = Path(sweep_result.plot_path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = image.imread(path)
+    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    assert pixels.std() > 0.01  # not a blank canvas
+
+
+def test_sweep_metrics_and_summary(sweep_result):
+    rows = [json.loads(line) for line in Path(sweep_result.metrics_path).read_text().splitlines()]
+    num_updates = 2048 // 64
+    assert len(rows) == 4 * num_updates
+    for member in range(4):
+        mine = [r for r in rows if r["member"] == member]
+        assert [r["update"] for r in mine] == list(range(1, num_updates + 1))
+    first_lr = {r["member"]: r["learning_rate"] for r in rows if r["update"] == 1}
+    assert first_lr[0] == pytest.approx(3e-4) and first_lr[3] == pytest.approx(1e-3)
+    summary = json.loads(Path(sweep_result.run_dir, "summary.json").read_text())
+    assert summary["num_members"] == 4 and summary["num_settings"] == 2 and summary["num_seeds"] == 2
+    assert summary["member_devices"] * summary["shard_devices"] == 2
+    assert summary["total_env_steps"] == 4 * 2048
+    best = max(sweep_result.settings, key=lambda s: s["eval_return_mean"])
+    assert summary["best_setting"] == {"ppo.learning_rate": best["ppo.learning_rate"]}
+    seeds_of_best = [m["eval_return_mean"] for m in sweep_result.members if m["setting"] == best["setting"]]
+    assert summary["best_eval_return_mean"] == pytest.approx(np.mean(seeds_of_best))
+
+
+# --- the grid and the placement (no training) ------------------------------------------------------
+
+
+def test_grid_expands_to_points_times_seeds():
+    config = from_dict(SMALL)
+    members = expand_members(config, {"ppo.learning_rate": ["3e-4", "1e-3"], "ppo.ent_coef": [0.0, 0.01]}, 3)
+    assert len(members) == 12
+    assert [m.seed for m in members[:3]] == [0, 1, 2]
+    assert members[3].values == {"ppo.learning_rate": 3e-4, "ppo.ent_coef": 0.01}
+    assert members[11].config.ppo.learning_rate == 1e-3 and members[11].config.train.seed == 2
+    explicit = expand_members(config, {"train.seed": [5, 9]})
+    assert [m.seed for m in explicit] == [5, 9] and explicit[0].values == {}
+
+
+@pytest.mark.parametrize("grid, seeds, expected", [
+    ({"env.num_envs": [4, 8]}, None, ["env.num_envs", "structural", "ppo.learning_rate"]),
+    ({"network.hidden_sizes": [[32], [64]]}, None, ["network.hidden_sizes", "structural"]),
+    ({"ppo.lerning_rate": [1e-3]}, None, ["ppo.lerning_rate", "ppo.learning_rate"]),
+    ({"ppo.gamma": [0.9, 1.5]}, None, ["ppo.gamma", "1.5"]),
+    ({"ppo.gamma": []}, None, ["ppo.gamma"]),
+    ({"train.seed": [1, 2]}, 3, ["--seeds", "train.seed"]),
+    ({}, 0, ["--seeds"]),
+])
+def test_bad_grid_is_one_clear_error(grid, seeds, expected):
+    with pytest.raises(ConfigError) as error:
+        expand_members(from_dict(SMALL), grid, seeds)
+    message = str(error.value)
+    assert "\n" not in message
+    for text in expected:
+        assert text in message, message
+
+
+def test_command_line_lists_become_grid_axes():
+    plain, grid = split_overrides([
+        "ppo.learning_rate=[3e-4, 1e-3]", "network.hidden_sizes=[32,32]", "env.num_envs=8",
+        "network.cnn_channels=[[8],[16]]",
+    ])
+    assert plain == ["network.hidden_sizes=[32,32]", "env.num_envs=8"]
+    assert grid == {"ppo.learning_rate": ["3e-4", "1e-3"], "network.cnn_channels": ["[8]", "[16]"]}
+
+
+@pytest.mark.parametrize("members, shards, devices, member_devices, expected", [
+    (4, None, 2, None, (2, 1, 1)),  # members take every device, one shard each
+    (8, None, 4, None, (4, 1, 1)),
+    (3, None, 4, None, (1, 4, 4)),  # 3 members do not split over 4 devices: shards do
+    (6, None, 4, None, (2, 2, 2)),
+    (4, 4, 2, None, (2, 1, 4)),
+    (4, 2, 4, 2, (2, 2, 2)),
+    (1, 8, 8, None, (1, 8, 8)),
+])
+def test_placement_is_derived(members, shards, devices, member_devices, expected):
+    placement = sharding.place_population(members, shards, devices, member_devices)
+    assert (placement.member_devices, placement.shard_devices, placement.num_shards) == expected
+    assert placement.member_devices * placement.shard_devices == devices
+    assert placement.members_per_device * placement.member_devices == members
+    assert placement.shards_per_device * placement.shard_devices == placement.num_shards
+
+
+@pytest.mark.parametrize("members, shards, devices, member_devices, expected", [
+    (3, 2, 4, None, ["3 member", "train.num_shards=2", "4 devices"]),
+    (4, None, 4, 3, ["--member-devices=3", "4"]),
+    (3, None, 4, 2, ["3", "--member-devices", "2"]),
+    (4, 1, 4, 2, ["train.num_shards=1", "2"]),
+])
+def test_impossible_placement_is_one_clear_error(members, shards, devices, member_devices, expected):
+    with pytest.raises(ConfigError) as error:
+        sharding.place_population(members, shards, devices, member_devices)
+    message = str(error.value)
+    assert "\n" not in message
+    for text in expected:
+        assert text in message, message
+
+
+# --- the command line and the Python API ------------------------------------------------------------
+
+
+def run_module(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["env.num_envs=[4,8]"], ["env.num_envs", "structural"]),
+    (["ppo.learning_rate=[1e-3,abc]"], ["ppo.learning_rate", "abc"]),
+    (["--seeds", "2", "--member-devices", "2"], ["--member-devices=2", "1"]),
+])
+def test_sweep_command_refuses_bad_input_in_one_line(tmp_path, args, expected):
+    result = run_module("jaxddppo.sweep", [*args, f"run.dir={tmp_path / 'r'}"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("module", ["jaxddppo.train", "jaxddppo.sweep"])
+def test_modules_run_with_python_m_without_warnings(tmp_path, module):
+    result = run_module(module, ["--help"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    assert f"python -m {module}" in result.stdout
+
+
+def test_train_and_sweep_are_callable_modules():
+    assert callable(jaxddppo.train) and callable(jaxddppo.sweep)
+    assert jaxddppo.train.run is run  # still the module
+    import jaxddppo.train as train_module
+
+    assert train_module is jaxddppo.train
+    with pytest.raises(ConfigError, match="env.num_envs"):
+        jaxddppo.train({"env": {"num_envs": 0}})
