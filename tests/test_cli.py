@@ -252,8 +252,10 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_
     run_dir = real_runs.main_dir
     # No TensorBoard events unless run.tensorboard=true.
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "config.yaml", "learning_curve.png", "metrics.jsonl", "summary.json"
+        "checkpoints", "config.yaml", "learning_curve.png", "metrics.jsonl", "summary.json"
     ], result.describe()
+    # The final checkpoint: the last update (the run's 32 updates never hit checkpoint.every_updates=128).
+    assert os.listdir(run_dir / "checkpoints") == [str(MAIN_NUM_UPDATES)]
     assert_real_png(run_dir / "learning_curve.png")
 
     # config.yaml: the requested config, with the shard count resolved for one device.
