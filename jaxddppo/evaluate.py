@@ -8,7 +8,6 @@ key) it reproduces the run's own final evaluation in summary.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Optional, Sequence
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxddppo.checkpoint import CheckpointError
+from jaxddppo.cli import OneLineParser
 from jaxddppo.config import ConfigError
 from jaxddppo.evaluation import EvalResult, evaluate_policy
 from jaxddppo.policy import Policy, load_policy
@@ -45,14 +45,8 @@ def statistics(result: EvalResult) -> dict:
     return stats
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = _OneLineParser(prog="python -m jaxddppo.evaluate",
+    parser = OneLineParser(prog="python -m jaxddppo.evaluate",
                             description="Evaluate the deterministic policy of a run's checkpoint.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by python -m jaxddppo.train")
     parser.add_argument("--episodes", type=int, help="episodes to run (default: the run's eval.num_episodes)")

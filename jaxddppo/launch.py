@@ -38,6 +38,8 @@ import threading
 import time
 from typing import IO, Optional, Sequence
 
+from jaxddppo.cli import OneLineParser
+
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 TRAIN_COMMAND = [sys.executable, "-m", "jaxddppo.train"]
 POLL_SECONDS = 0.05
@@ -210,15 +212,9 @@ def launch(
                 reader.join()
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints usage on a second line
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's options (before `--`) and the trainer's arguments (after it)."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="python -m jaxddppo.launch",
         usage="%(prog)s --num-processes N --devices-per-process D [--timeout-after-failure S] "
         "-- <arguments for python -m jaxddppo.train>",

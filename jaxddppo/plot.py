@@ -10,7 +10,6 @@ changes a notebook's matplotlib backend.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -19,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import yaml
+
+from jaxddppo.cli import OneLineParser
 
 CURVE_FILE = "learning_curve.png"
 FIGURE_SIZE = (8.0, 5.0)  # inches
@@ -182,14 +183,8 @@ def save_learning_curve(run_dir: str) -> str:
     return path
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints usage on a second line
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="python -m jaxddppo.plot",
         description="Draw the learning curves of one or more runs on one figure: training episode "
         "return against env steps, evaluations marked.",

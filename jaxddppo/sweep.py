@@ -29,6 +29,7 @@ from flax import struct
 from matplotlib.figure import Figure
 
 from jaxddppo import sharding
+from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
     Config,
     ConfigError,
@@ -552,14 +553,8 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
     return plain, grid
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints usage on a second line
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="python -m jaxddppo.sweep",
         description="Train a grid of hyperparameters x seeds as one population over every device. "
         "A list value, section.key=[v1,v2], sweeps that key; other section.key=value items override the "

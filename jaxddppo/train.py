@@ -28,6 +28,7 @@ from jaxddppo.checkpoint import (
     RunCounters,
     StopSignals,
 )
+from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
     RESUMABLE_KEYS,
     Config,
@@ -544,14 +545,8 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     return TrainResult(summary=summary, state=state, run_dir=run_dir, counters=counters)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's default prints usage on a second line
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="python -m jaxddppo.train",
         description="Train PPO (DD-PPO) on every local device. Options are set in a YAML file "
         "(--config) and overridden as section.key=value; --resume continues a run from its newest checkpoint. "

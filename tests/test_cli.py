@@ -313,7 +313,7 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_
 def test_second_run_into_same_dir_is_refused(real_runs: RealRuns):
     real_runs.main.succeeded()
     run_dir = real_runs.main_dir
-    before = {path.name: path.read_bytes() for path in run_dir.iterdir()}
+    before = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
 
     result = run_cli(["--config", str(real_runs.main_yaml), f"run.dir={run_dir}"], real_runs.main.cwd)
 
@@ -322,8 +322,8 @@ def test_second_run_into_same_dir_is_refused(real_runs: RealRuns):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.describe()
     assert "run.dir" in lines[0] and str(run_dir) in lines[0], lines[0]
-    after = {path.name: path.read_bytes() for path in run_dir.iterdir()}
-    assert after == before  # metrics.jsonl (and everything else) untouched, byte for byte
+    after = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    assert after == before  # metrics.jsonl, checkpoints and everything else untouched, byte for byte
 
 
 def test_default_run_dir_is_under_runs_in_the_cwd(real_runs: RealRuns):

@@ -182,6 +182,7 @@ def wait_all(workers: list[subprocess.Popen], timeout: float = 300) -> list[int]
             worker.kill()
 
 
+@pytest.mark.slow  # about 60 s; the single-process SIGTERM test in test_checkpoint.py runs in CI
 def test_sigterm_to_one_process_stops_both_at_the_same_update_and_they_resume(tmp_path):
     run_dir = tmp_path / "run"
     long_run = SMALL_RUN + ["train.total_env_steps=100000000", "train.updates_per_chunk=1", f"run.dir={run_dir}",
