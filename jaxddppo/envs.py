@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxddppo import prng
 from jaxddppo.config import ConfigError
+
+# Every program jaxddppo compiles steps environments, so they all get the faster
+# CPU lowering of the Threefry hash (the same bits).
+prng.install()
 
 UNSUPPORTED_ENVS = {
     "MNISTBandit-bsuite": "it downloads MNIST when created",
@@ -118,7 +123,12 @@ class BatchedEnv:
         return jnp.clip(action, self._low, self._high)
 
     def step(self, key: jax.Array, state: EpisodeState, action: jax.Array) -> tuple[EpisodeState, StepResult]:
-        keys = jax.random.split(key, action.shape[0])
+        """Step every environment once; `key` is split into one key per environment."""
+        return self.step_with_keys(jax.random.split(key, action.shape[0]), state, action)
+
+    def step_with_keys(self, keys: jax.Array, state: EpisodeState,
+                       action: jax.Array) -> tuple[EpisodeState, StepResult]:
+        """`step` with the per-environment keys [B] given (a rollout splits them for all its steps at once)."""
         obs, env_state, reward, terminated, truncated, info = jax.vmap(
             self._env.step, in_axes=(0, 0, 0, None)
         )(keys, state.env_state, self._env_action(action), self._params)

@@ -286,7 +286,7 @@ def first_shard(tree: Any) -> Any:
 
     def take(leaf: jax.Array) -> np.ndarray:
         local = min(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return np.asarray(local.data[0])
+        return np.asarray(local.data)[0]  # index on the host: no small device program per leaf
 
     return jax.tree.map(take, tree)
 

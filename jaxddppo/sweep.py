@@ -94,7 +94,7 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
     "env_steps_per_member": "environment steps done by each member",
     "total_env_steps": "environment steps done by the whole population",
     "compile_seconds": "seconds spent compiling",
-    "train_seconds": "seconds of training, compile excluded",
+    "train_seconds": "seconds of training, the host loop between chunks included (compile and evaluations excluded)",
     "env_steps_per_second": "total_env_steps / train_seconds: the throughput of the whole population",
     "best_setting": "swept values of the setting with the highest mean evaluation return over its seeds",
     "best_eval_return_mean": "that setting's mean over seeds of the members' eval_return_mean",
@@ -288,11 +288,11 @@ def train_chunks(population: Population, state: TrainState, inputs: MemberInputs
         state, metrics = compiled[size](state, inputs)
         metrics = sharding.member_first_shards(metrics)  # blocks until the chunk is done
         chunk_seconds = time.perf_counter() - chunk_start
-        train_seconds += chunk_seconds
         for member in range(num_members):
             member_metrics = jax.tree.map(lambda leaf: leaf[member], metrics)
             if writer is not None:
-                rows = metrics_rows(member_metrics, updates_done, topology.env_steps_per_update, train_seconds)
+                rows = metrics_rows(member_metrics, updates_done, topology.env_steps_per_update,
+                                    train_seconds + chunk_seconds)
                 writer.write([{"member": member, **row} for row in rows])
             chunk_return = chunk_episode_return(member_metrics)
             final_returns[member] = chunk_return if chunk_return is not None else final_returns[member]
@@ -300,6 +300,7 @@ def train_chunks(population: Population, state: TrainState, inputs: MemberInputs
         updates_done += size
         if population.config.debug.check_replicas:
             sharding.check_population_replicas(state.params, population.mesh, updates_done)
+        train_seconds += time.perf_counter() - chunk_start  # the host's logging counts too
         known = [r for r in final_returns if r is not None]
         progress.update(
             updates_done * topology.env_steps_per_update * num_members,

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -66,8 +67,8 @@ class Experiment:
     settings: UpdateSettings
     hyperparams: PPOHyperparams
 
-    def init_state(self) -> TrainState:
-        """The global training state: leaves [num_shards, ...] split over the mesh."""
+    def init_fn(self) -> Callable[[jax.Array], TrainState]:
+        """`(shard_indices) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
         topology = self.topology
 
         def init_shard(shard_index: jax.Array) -> TrainState:
@@ -76,8 +77,14 @@ class Experiment:
                 topology.num_envs_per_shard, self.hyperparams, self.settings,
             )
 
-        indices = sharding.global_shard_indices(self.mesh, topology.num_shards)
-        return sharding.shard_parallel(init_shard, self.mesh)(indices)
+        return sharding.shard_parallel(init_shard, self.mesh)
+
+    def shard_indices(self) -> jax.Array:
+        return sharding.global_shard_indices(self.mesh, self.topology.num_shards)
+
+    def init_state(self) -> TrainState:
+        """The global training state: leaves [num_shards, ...] split over the mesh."""
+        return self.init_fn()(self.shard_indices())
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
@@ -300,11 +307,6 @@ def process_label() -> str:
     return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
 
 
-def compile_chunks(experiment: Experiment, state: TrainState, sizes: Iterable[int]) -> dict[int, Any]:
-    """The compiled learn call for every chunk size in `sizes`."""
-    return {size: experiment.learn_fn(size).lower(state).compile() for size in sorted(sizes)}
-
-
 @dataclass(frozen=True)
 class PeriodicEval:
     """The compiled evaluation and its cadence. Every process calls it after the same
@@ -323,14 +325,45 @@ class PeriodicEval:
         )
 
 
-def compile_periodic_eval(experiment: Experiment, state: TrainState) -> Optional[PeriodicEval]:
-    """The periodic evaluation, compiled, or None when `eval.every_updates` is 0."""
+def compile_concurrently(lowered: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Compile lowered programs side by side: XLA compiles without holding the GIL, so
+    on a machine with several cores the initialisation, the chunks and the
+    evaluation compile in about the time of the largest of them."""
+    workers = max(1, min(len(lowered), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {key: pool.submit(program.compile) for key, program in lowered.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@dataclass(frozen=True)
+class Programs:
+    """Everything a run executes, compiled: the initialisation, one learn call per chunk
+    size, the periodic evaluation (None when `eval.every_updates` is 0) and the
+    parameters' finiteness check."""
+
+    init: Callable[[jax.Array], TrainState]
+    chunks: dict[int, Any]
+    periodic_eval: Optional[PeriodicEval]
+    all_finite: Callable[[Any], jax.Array]  # params -> bool scalar
+
+
+def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Programs:
+    """Lower every program of a run from the state's shapes alone, then compile them concurrently."""
+    state = experiment.abstract_state()
+    lowered: dict[Any, Any] = {"init": experiment.init_fn().lower(experiment.shard_indices())}
+    lowered.update({size: experiment.learn_fn(size).lower(state) for size in sorted(chunk_sizes)})
+    lowered["all_finite"] = _all_finite.lower(state.params)
     every_updates = experiment.config.eval.every_updates
-    if every_updates == 0:
-        return None
-    indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
-    compiled = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, indices).compile()
-    return PeriodicEval(every_updates, compiled, indices)
+    if every_updates:
+        lowered["eval"] = experiment.eval_fn().lower(
+            state.params, state.obs_moments, state.update_index, experiment.shard_indices()
+        )
+    compiled = compile_concurrently(lowered)
+    periodic_eval = None
+    if every_updates:
+        periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), experiment.shard_indices())
+    return Programs(init=compiled.pop("init"), all_finite=compiled.pop("all_finite"), chunks=compiled,
+                    periodic_eval=periodic_eval)
 
 
 @dataclass(frozen=True)
@@ -341,43 +374,45 @@ class LoopResult:
     stopped_by: Optional[str]
 
 
-def train_chunks(experiment: Experiment, state: TrainState, compiled: dict[int, Any], sizes: Iterable[int],
+def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
                  counters: RunCounters, writer: Optional[MetricsSink], progress: Progress,
-                 checkpointer: Checkpointer, signals: StopSignals,
-                 periodic_eval: Optional[PeriodicEval] = None) -> LoopResult:
+                 checkpointer: Checkpointer, signals: StopSignals) -> LoopResult:
     """Call, block, time, log, check, checkpoint: the host loop over chunks of updates.
 
     Raises NonFiniteError, after logging the chunk, without saving it.
     """
     topology, config = experiment.topology, experiment.config
     every = config.checkpoint.every_updates
-    saved_update = None
+    saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
-        state, metrics = compiled[size](state)
+        state, metrics = programs.chunks[size](state)
         metrics = sharding.first_shard(metrics)  # blocks until the chunk is done
         chunk_seconds = time.perf_counter() - chunk_start
         first_update = counters.update
         chunk_return = chunk_episode_return(metrics)
         update = first_update + size
-        counters = RunCounters(
-            update=update,
-            env_steps=update * topology.env_steps_per_update,
-            train_seconds=counters.train_seconds + chunk_seconds,
-            final_episode_return=chunk_return if chunk_return is not None else counters.final_episode_return,
-        )
+        eval_start = time.perf_counter()
         evaluation = periodic_eval.after(state, update) if periodic_eval is not None else None
+        eval_seconds = time.perf_counter() - eval_start
         if writer is not None:
-            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update, counters.train_seconds,
-                                      evaluation))
+            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update,
+                                      counters.train_seconds + chunk_seconds, evaluation))
         bad = first_non_finite(metrics)
         if bad is not None:
             offset, name = bad
             raise NonFiniteError(f"non-finite {name} at update {first_update + offset + 1}")
-        if not bool(_all_finite(state.params)):
+        if not bool(programs.all_finite(state.params)):
             raise NonFiniteError(f"non-finite parameters after update {update}")
         if config.debug.check_replicas:
             sharding.check_replicas(state.params, experiment.mesh, update)
+        # Training time counts the host's work between chunks (logging, checks) but not evaluations.
+        counters = RunCounters(
+            update=update,
+            env_steps=update * topology.env_steps_per_update,
+            train_seconds=counters.train_seconds + time.perf_counter() - chunk_start - eval_seconds,
+            final_episode_return=chunk_return if chunk_return is not None else counters.final_episode_return,
+        )
         progress.update(counters.env_steps, size * topology.env_steps_per_update / chunk_seconds,
                         counters.final_episode_return)
         stop = signals.agreed()
@@ -489,7 +524,11 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
            resume: bool, stop_after_updates: Optional[int]) -> TrainResult:
     topology, is_writer = experiment.topology, jax.process_index() == 0
     compile_start = time.perf_counter()
-    state = experiment.init_state()
+    stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
+    cadence = (topology.updates_per_chunk, config.checkpoint.every_updates)
+    expected_start = min(checkpointer.latest_step() or 0, stop_update) if resume else 0
+    programs = compile_programs(experiment, chunk_sizes_needed(expected_start, stop_update, *cadence))
+    state = programs.init(experiment.shard_indices())
     counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
     restored_update = None
     if resume:
@@ -497,18 +536,21 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
         restored_update = counters.update if counters.update else None
         if is_writer:
             write_config(run_dir, config)  # with the resume's overrides, once they proved valid
-    stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
-    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
-    compiled = compile_chunks(experiment, state, chunk_sizes_needed(*plan))
-    periodic_eval = compile_periodic_eval(experiment, state)
+        missing = chunk_sizes_needed(counters.update, stop_update, *cadence) - set(programs.chunks)
+        if missing:  # the newest checkpoint was unreadable: an older one sets the chunk plan
+            abstract = experiment.abstract_state()
+            programs.chunks.update(
+                compile_concurrently({size: experiment.learn_fn(size).lower(abstract) for size in missing})
+            )
+    plan = (counters.update, stop_update, *cadence)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
     writer = open_metrics_sink(run_dir, config.run.tensorboard) if is_writer else None
     try:
         with StopSignals(progress.message) as signals:
-            loop = train_chunks(experiment, state, compiled, chunk_plan(*plan), counters, writer, progress,
-                                checkpointer, signals, periodic_eval)
+            loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters, writer, progress,
+                                checkpointer, signals)
     except NonFiniteError as error:
         checkpointer.wait()
         newest = checkpointer.latest_step()

@@ -1,0 +1,97 @@
+"""Profile one compiled chunk of updates: where a run's time goes, without the host loop.
+
+    python experiments/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
+        [section.key=value ...]
+
+Prints the seconds spent building, tracing and lowering, and compiling; the
+optimised program's `while` loops (each is a loop of small XLA operations, run
+once per iteration); and the steady-state time per update of the compiled chunk
+(the median over `--chunks` calls, the first two excluded as warm-up). With
+`--trace DIR` it also records one chunk with `jax.profiler` and, when the
+profiler wrote its Chrome trace (the `xprof` package writes it), counts the XLA
+operations (thunks) executed per update: on CPU each costs a fixed overhead, so
+fewer, larger operations run faster. Compare two versions of the code by running
+this at each, alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import time
+
+import jax
+
+
+def executed_operations(trace_dir: str) -> collections.Counter:
+    """XLA operations executed, by name, in the newest Chrome trace under `trace_dir`."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
+    if not paths:
+        return collections.Counter()
+    events = json.load(gzip.open(paths[-1]))["traceEvents"]
+    counts: collections.Counter = collections.Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and not name.startswith(("end:", "$", "Thread", "Pjit")) and "Execute" not in name:
+            counts[name] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="experiments/cartpole.yaml")
+    parser.add_argument("--chunks", type=int, default=61, help="chunk calls to time")
+    parser.add_argument("--trace", metavar="DIR", help="record one chunk with jax.profiler into DIR")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args()
+
+    from jaxddppo import train
+    from jaxddppo.config import load_config
+
+    start = time.perf_counter()
+    experiment = train.build(load_config(args.config, ["checkpoint.every_updates=0", *args.overrides]))
+    build_seconds = time.perf_counter() - start
+    size = experiment.topology.updates_per_chunk
+    start = time.perf_counter()
+    lowered = experiment.learn_fn(size).lower(experiment.abstract_state())
+    lower_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    chunk = lowered.compile()
+    compile_seconds = time.perf_counter() - start
+    loops = chunk.as_text().count(" while(")
+    print(f"build {build_seconds:.2f} s, trace+lower {lower_seconds:.2f} s, XLA compile {compile_seconds:.2f} s; "
+          f"{loops} while loops in the optimised program")
+
+    state = experiment.init_state()
+    seconds = []
+    for _ in range(args.chunks):
+        start = time.perf_counter()
+        state, metrics = chunk(state)
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - start)
+    per_update = statistics.median(seconds[2:] or seconds) / size
+    steps = experiment.topology.env_steps_per_update
+    print(f"{per_update * 1e3:.2f} ms per update (median of {len(seconds[2:] or seconds)} chunks of {size}): "
+          f"{steps / per_update:,.0f} env steps/s")
+
+    if args.trace:
+        jax.profiler.start_trace(args.trace)
+        state, metrics = chunk(state)
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        counts = executed_operations(args.trace)
+        if not counts:
+            print(f"trace in {args.trace}; no Chrome trace to count operations from (pip install xprof)")
+            return
+        print(f"{sum(counts.values()) / size:,.0f} XLA operations executed per update; the most frequent:")
+        for name, count in counts.most_common(12):
+            print(f"  {count / size:8.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The faster CPU lowering of the Threefry hash: the same bits as JAX's own, with no loop."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxddppo import prng
+
+# Known-answer vectors of Threefry-2x32 with 20 rounds (Random123's kat_vectors).
+KNOWN_ANSWERS = [
+    ((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
+    ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
+    ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0)),
+]
+
+# Draws a training run makes (splits, fold-ins, uniform, normal, categorical), as uint32/float bits.
+DRAWS = """
+import json, jax, jax.numpy as jnp, numpy as np
+def draws(key):
+    split = jax.random.key_data(jax.random.split(key, 7))
+    folded = jax.random.key_data(jax.random.fold_in(key, 3))
+    uniform = jax.lax.bitcast_convert_type(jax.random.uniform(key, (1001,)), jnp.uint32)
+    normal = jax.lax.bitcast_convert_type(jax.random.normal(key, (33,)), jnp.uint32)
+    categorical = jax.random.categorical(key, jnp.zeros((5, 3))).astype(jnp.uint32)
+    return jnp.concatenate([split.ravel(), folded.ravel(), uniform, normal, categorical])
+print(json.dumps(np.asarray(jax.jit(draws)(jax.random.key(42))).tolist()))
+"""
+
+
+@pytest.mark.parametrize("key, count, expected", KNOWN_ANSWERS)
+def test_known_answers(key, count, expected):
+    words = [jnp.uint32(word) for word in (*key, *count)]
+    assert tuple(int(word) for word in prng.threefry2x32_unrolled(*words)) == expected
+
+
+def draws_in_subprocess(prelude: str) -> list[int]:
+    result = subprocess.run([sys.executable, "-c", prelude + DRAWS], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def test_compiled_draws_equal_jax_own_lowering():
+    stock = draws_in_subprocess("")  # never imports jaxddppo: JAX lowers the hash its own way
+    ours = draws_in_subprocess("import jaxddppo.envs\n")  # importing envs installs the unrolled lowering
+    assert len(stock) == 7 * 2 + 2 + 1001 + 33 + 5
+    assert ours == stock
+
+
+def test_installed_lowering_has_no_loop():
+    prng.install()
+    text = jax.jit(lambda key: jax.random.uniform(key, (4,))).lower(jax.random.key(0)).compile().as_text()
+    assert " while(" not in text
