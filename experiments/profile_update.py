@@ -7,9 +7,9 @@ Prints the seconds spent building, tracing and lowering, and compiling; the
 optimised program's `while` loops (each is a loop of small XLA operations, run
 once per iteration); and the steady-state time per update of the compiled chunk
 (the median over `--chunks` calls, the first two excluded as warm-up). With
-`--trace DIR` it also records one chunk with `jax.profiler` and, when the
-profiler wrote its Chrome trace (the `xprof` package writes it), counts the XLA
-operations (thunks) executed per update: on CPU each costs a fixed overhead, so
+`--trace DIR` it also records one chunk with `jax.profiler` and counts, from the
+Chrome trace (`*.trace.json.gz`) the profiler writes, the XLA operations
+(thunks) executed per update: on CPU each costs a fixed overhead, so
 fewer, larger operations run faster. Compare two versions of the code by running
 this at each, alternately.
 """
@@ -86,11 +86,14 @@ def main() -> None:
         jax.profiler.stop_trace()
         counts = executed_operations(args.trace)
         if not counts:
-            print(f"trace in {args.trace}; no Chrome trace to count operations from (pip install xprof)")
+            print(f"trace in {args.trace}; the profiler wrote no Chrome trace to count operations from")
             return
-        print(f"{sum(counts.values()) / size:,.0f} XLA operations executed per update; the most frequent:")
-        for name, count in counts.most_common(12):
-            print(f"  {count / size:8.1f}  {name}")
+        kinds: collections.Counter = collections.Counter()
+        for name, count in counts.items():
+            kinds[name.rsplit(".", 1)[0]] += count
+        print(f"{sum(counts.values()) / size:,.0f} XLA operations executed per update; the most frequent kinds:")
+        for kind, count in kinds.most_common(12):
+            print(f"  {count / size:8.1f}  {kind}")
 
 
 if __name__ == "__main__":
