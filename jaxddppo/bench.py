@@ -13,13 +13,16 @@ call, a second call of the compiled program. The first run's steps/s (all of
 training, first execution included) is recorded beside them.
 
 Suites:
-  small       1 device, PureJaxRL's CartPole config: jaxddppo vs rejax
+  small       1 device, PureJaxRL's CartPole config: jaxddppo with one CPU thread
+              (run.cpu_threads=1) vs rejax as it runs by default and with one thread too
   large       the same with 2048 environments: jaxddppo vs rejax
-  scaling     jaxddppo on 1 and 2 devices, small and large configs
+  scaling     jaxddppo on 2 devices vs its best on 1 device, small and large configs
   population  1, 8 and 32 seeds of the small config: a jaxddppo sweep vs rejax vmapped
 
 rejax runs in processes that never import jaxddppo, so it runs as its users run
 it (jaxddppo's faster CPU lowering of the Threefry hash is not installed there).
+A trial's CPU thread count is XLA's CPU thread pool size, set through
+PJRT_NPROC for either contender (0: XLA's default, one thread per core).
 """
 
 from __future__ import annotations
@@ -69,18 +72,21 @@ RESULT_PREFIX = "BENCH_RESULT "
 
 @dataclass(frozen=True)
 class Trial:
-    """One kind of measurement: a contender on a config, a device count and a number of seeds
-    (0: a single run; n >= 1: a population of n seeds, vmapped)."""
+    """One kind of measurement: a contender on a config, a device count, a number of seeds
+    (0: a single run; n >= 1: a population of n seeds, vmapped) and a CPU thread pool
+    size (0: XLA's default)."""
 
     contender: str  # "jaxddppo" or "rejax"
     config: str  # a key of CONFIGS
     devices: int = 1
     seeds: int = 0
+    cpu_threads: int = 0
 
     @property
     def label(self) -> str:
         population = f", {self.seeds} seeds" if self.seeds else ""
-        return f"{self.contender} {self.config}, {self.devices} device(s){population}"
+        threads = f", {self.cpu_threads} CPU thread(s)" if self.cpu_threads else ""
+        return f"{self.contender} {self.config}, {self.devices} device(s){population}{threads}"
 
 
 @dataclass(frozen=True)
@@ -94,12 +100,19 @@ class Comparison:
 
 def comparisons(suites: Sequence[str]) -> list[Comparison]:
     rows = []
+    # One CPU thread makes the small config's tiny operations run faster (docs/benchmarks.md);
+    # the large config's larger ones use every core.
+    small_best = Trial("jaxddppo", "small", cpu_threads=1)
     for suite in suites:
-        if suite in ("small", "large"):
-            rows.append(Comparison(suite, Trial("jaxddppo", suite), Trial("rejax", suite)))
+        if suite == "small":
+            rows.append(Comparison(suite, small_best, Trial("rejax", "small")))
+            rows.append(Comparison(suite, small_best, Trial("rejax", "small", cpu_threads=1)))
+            rows.append(Comparison(suite, small_best, Trial("jaxddppo", "small")))
+        elif suite == "large":
+            rows.append(Comparison(suite, Trial("jaxddppo", "large"), Trial("rejax", "large")))
         elif suite == "scaling":
-            for config in ("small", "large"):
-                rows.append(Comparison(suite, Trial("jaxddppo", config, devices=2), Trial("jaxddppo", config)))
+            rows.append(Comparison(suite, Trial("jaxddppo", "small", devices=2), small_best))
+            rows.append(Comparison(suite, Trial("jaxddppo", "large", devices=2), Trial("jaxddppo", "large")))
         elif suite == "population":
             for seeds in POPULATION_SEEDS:
                 rows.append(Comparison(suite, Trial("jaxddppo", "small", seeds=seeds),
@@ -122,6 +135,22 @@ def distinct_trials(rows: Sequence[Comparison]) -> list[Trial]:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+def xla_cpu_pool_threads() -> Optional[int]:
+    """Threads of XLA's CPU thread pool in this process (Linux names them tf_XLAEigen), or None
+    where /proc does not list threads."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    count = 0
+    for task in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, task, "comm")) as handle:
+                count += handle.read().strip() == "tf_XLAEigen"
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return count
 
 
 # ---------------------------------------------------------------- workers (one per subprocess)
@@ -278,6 +307,7 @@ def worker_main(trial: Trial, spec: dict[str, Any]) -> None:
     result["steps_per_second"] = result["steady_env_steps"] / result["steady_seconds"]
     result["first_run_steps_per_second"] = result["env_steps"] / result["train_seconds"]
     result["peak_rss_mb"] = peak_rss_mb()
+    result["xla_cpu_pool_threads"] = xla_cpu_pool_threads()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
@@ -290,7 +320,9 @@ class BenchError(RuntimeError):
 
 def run_trial(trial: Trial, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One measurement in a fresh subprocess with `trial.devices` simulated CPU devices."""
-    env = dict(os.environ)
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+    if trial.cpu_threads:
+        env["PJRT_NPROC"] = str(trial.cpu_threads)
     env["XLA_FLAGS"] = " ".join(
         [flag for flag in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in flag]
         + [f"--xla_force_host_platform_device_count={trial.devices}"]

@@ -107,6 +107,10 @@ class RunConfig:
     dir: Optional[str] = _opt(None, "output directory (default: runs/<env>-<timestamp>)")
     progress: bool = _opt(True, "show progress (a bar on a terminal, else one line per chunk)")
     tensorboard: bool = _opt(False, "also write every metrics.jsonl field as a TensorBoard scalar into the run dir")
+    cpu_threads: int = _opt(
+        0, "threads of XLA's CPU thread pool, set (as PJRT_NPROC) before JAX starts its backend; 0: XLA's "
+        "default, one per core. A few environments per device run faster with 1 (docs/benchmarks.md)"
+    )
 
 
 @dataclass(frozen=True)
@@ -301,7 +305,7 @@ def from_dict(values: dict) -> Config:
 
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
-    "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard",
+    "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
     "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
@@ -414,6 +418,8 @@ def validate(config: Config) -> None:
     _check(config.checkpoint.every_updates >= 0, "checkpoint.every_updates", config.checkpoint.every_updates,
            "must be >= 0 (0: only at the end)")
     _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
+    _check(config.run.cpu_threads >= 0, "run.cpu_threads", config.run.cpu_threads,
+           "must be >= 0 (0: XLA's default, one per core)")
     _check(config.eval.every_updates >= 0, "eval.every_updates", config.eval.every_updates,
            "must be >= 0 (0: evaluate only at the end)")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")

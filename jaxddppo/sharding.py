@@ -19,6 +19,7 @@ Other modules never name an axis: they call `pmean_over_shards` and friends.
 from __future__ import annotations
 
 import functools
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import xla_bridge  # backends_are_initialized: JAX has no public equivalent
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -342,6 +344,26 @@ def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
                     "check that process 0 runs and that its host and port are reachable"
                 ) from None
             time.sleep(0.25)
+
+
+def set_cpu_threads(cpu_threads: int) -> Optional[str]:
+    """Size XLA's CPU thread pool (`run.cpu_threads`; 0 leaves XLA's default, one thread per core).
+
+    The pool is created with JAX's backend, from the PJRT_NPROC environment
+    variable, so this must run before the first JAX computation of the process.
+    Returns a one-line warning when the backend had started already with another
+    setting (in a notebook, say), else None.
+    """
+    if cpu_threads == 0:
+        return None
+    wanted = str(cpu_threads)
+    if xla_bridge.backends_are_initialized():
+        if os.environ.get("PJRT_NPROC") == wanted:
+            return None
+        return (f"warning: run.cpu_threads={cpu_threads} has no effect: JAX's backend started before it was "
+                f"set; set it in a fresh process, or PJRT_NPROC={cpu_threads} in the environment")
+    os.environ["PJRT_NPROC"] = wanted
+    return None
 
 
 def initialize_distributed(config: DistributedConfig) -> None:

@@ -477,6 +477,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
     """
     config = as_config(config)
+    cpu_threads_warning = sharding.set_cpu_threads(config.run.cpu_threads)
     if not jax.distributed.is_initialized():
         sharding.initialize_distributed(config.distributed)
     population = build_population(config, grid or {}, seeds, member_devices, devices)
@@ -496,6 +497,8 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps per member"
         + (f"; writing to {run_dir}" if is_writer else "")
     )
+    if cpu_threads_warning is not None:
+        progress.message(cpu_threads_warning)
     compile_start = time.perf_counter()
     inputs = population.inputs()
     state = population.init_state(inputs)

@@ -495,6 +495,7 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
+    cpu_threads_warning = sharding.set_cpu_threads(config.run.cpu_threads)
     if not jax.distributed.is_initialized():
         sharding.initialize_distributed(config.distributed)
     experiment = build(config, devices)
@@ -511,6 +512,8 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
         f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; {where}"
     )
+    if cpu_threads_warning is not None:
+        progress.message(cpu_threads_warning)
     checkpointer = Checkpointer(run_dir, config.checkpoint.keep, config.checkpoint.async_save)
     try:
         return _train(experiment, config, run_dir, progress, checkpointer, resume, stop_after_updates)

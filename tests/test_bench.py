@@ -19,8 +19,13 @@ def test_every_suite_alternates_distinct_trials():
     trials = bench.distinct_trials(rows)
     assert len(trials) == len(set(trials))
     assert bench.Trial("jaxddppo", "small") in trials and bench.Trial("rejax", "small", seeds=32) in trials
+    small = [row for row in rows if row.suite == "small"]
+    assert {row.numerator for row in small} == {bench.Trial("jaxddppo", "small", cpu_threads=1)}
+    assert [row.denominator.label for row in small] == [
+        "rejax small, 1 device(s)", "rejax small, 1 device(s), 1 CPU thread(s)", "jaxddppo small, 1 device(s)"]
     scaling = [row for row in rows if row.suite == "scaling"]
     assert [(row.numerator.devices, row.denominator.devices) for row in scaling] == [(2, 1), (2, 1)]
+    assert [row.denominator.cpu_threads for row in scaling] == [1, 0]  # each config's best on 1 device
     assert [row.numerator.seeds for row in rows if row.suite == "population"] == [1, 8, 32, 32]
 
 
@@ -55,11 +60,14 @@ def test_small_suite_side_by_side(tmp_path):
     assert bench.main(["--suites", "small", "--repeats", "1", "--total-env-steps", "4096", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["versions"]["rejax"] and report["configs"]["small"]["total_env_steps"] == 4096
-    (entry,) = report["table"]
+    entry = report["table"][0]
     labels = [m["label"] for m in report["measurements"]]
-    assert labels == ["jaxddppo small, 1 device(s)", "rejax small, 1 device(s)"]
+    assert labels == ["jaxddppo small, 1 device(s), 1 CPU thread(s)", "rejax small, 1 device(s)",
+                      "rejax small, 1 device(s), 1 CPU thread(s)", "jaxddppo small, 1 device(s)"]
     for measurement in report["measurements"]:
         (run,) = measurement["results"]
+        if run["xla_cpu_pool_threads"] is not None and measurement["trial"]["cpu_threads"]:
+            assert run["xla_cpu_pool_threads"] == measurement["trial"]["cpu_threads"]
         assert run["env_steps"] == 4096  # 8 updates of 4 envs x 128 steps
         assert run["steps_per_second"] > 0 and run["compile_seconds"] > 0 and run["peak_rss_mb"] > 100
         assert run["steady_env_steps"] == 4096  # one chunk of 8 updates: all of it

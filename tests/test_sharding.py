@@ -3,7 +3,14 @@
 - N shards give the gradient of the single-shard global minibatch (DESIGN.md's trap).
 - One config with num_shards=4 learns the same on 1, 2 and 4 devices.
 - Replicas stay identical; shards get their own environment streams.
+- run.cpu_threads sizes XLA's CPU thread pool, without changing what is learnt.
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +22,7 @@ from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.ppo import Batch, PPOHyperparams, normalize_minibatch_advantages, shard_gradients
-from jaxddppo.train import build
+from jaxddppo.train import build, run
 
 # Same maths, different reduction order (per-shard means, then the all-reduce):
 # measured about 1e-7 relative L2 in float32.
@@ -190,3 +197,57 @@ def test_minibatch_advantages_normalised_over_all_shards():
     mean = gathered.mean(axis=(0, 3), keepdims=True)
     std = gathered.std(axis=(0, 3), keepdims=True)
     np.testing.assert_allclose(result, (gathered - mean) / (std + 1e-8), rtol=1e-4, atol=1e-4)
+
+
+# --- run.cpu_threads -------------------------------------------------------------------------------
+
+THREADS_SCRIPT = """
+import collections, json, os, sys
+from jaxddppo import sharding, train
+from jaxddppo.config import from_dict
+result = train.run(from_dict(json.loads(sys.argv[1])))
+def thread_name(task):
+    try:
+        with open(f"/proc/self/task/{task}/comm") as handle:
+            return handle.read().strip()
+    except FileNotFoundError:  # a short-lived thread that ended meanwhile
+        return None
+threads = collections.Counter(thread_name(task) for task in os.listdir("/proc/self/task"))
+print(json.dumps({"eigen_threads": threads["tf_XLAEigen"], "digest": result.summary["params_digest"],
+                  "same_again": sharding.set_cpu_threads(3), "other_after_start": sharding.set_cpu_threads(2)}))
+"""
+
+
+def threads_config(tmp_path: Path, cpu_threads: int) -> dict:
+    return {
+        "env": {"id": "CartPole-v1", "num_envs": 4},
+        "ppo": {"num_steps": 16},
+        "train": {"total_env_steps": 4 * 16 * 4, "updates_per_chunk": 2},
+        "checkpoint": {"every_updates": 0},
+        "run": {"dir": str(tmp_path / f"threads{cpu_threads}"), "progress": False, "cpu_threads": cpu_threads},
+    }
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
+def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path):
+    """A fresh process with run.cpu_threads=3 (neither XLA's default on this machine's
+    cores nor 1) runs 3 XLA CPU pool threads and learns bit for bit what the
+    default pool learns here; asked for another size once JAX has started, it warns."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    completed = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, json.dumps(threads_config(tmp_path, 3))],
+                               env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["eigen_threads"] == 3
+    assert report["same_again"] is None
+    assert report["other_after_start"].startswith("warning: run.cpu_threads=2 has no effect")
+    reference = run(from_dict(threads_config(tmp_path, 0)), jax.devices()[:1])
+    assert report["digest"] == reference.summary["params_digest"]
+
+
+def test_negative_cpu_threads_are_refused():
+    with pytest.raises(ConfigError, match=r"^run.cpu_threads=-1 is invalid: must be >= 0"):
+        from_dict({"run": {"cpu_threads": -1}})
