@@ -13,6 +13,19 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}=4".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(num_devices: int) -> dict[str, str]:
+    """The environment of a jaxddppo subprocess: this interpreter's, with `num_devices`
+    simulated CPU devices, this checkout importable, and no CPU thread pool size
+    inherited (a test process may have set PJRT_NPROC for itself: run.cpu_threads)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+    env["XLA_FLAGS"] = f"{_DEVICE_FLAG}={num_devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from jaxddppo import sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer
@@ -164,7 +165,7 @@ def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
     run_dir = tmp_path / "run"
     run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:4])
     corrupt(run_dir / "checkpoints" / "4")
-    result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", str(run_dir)], env=cli_env(1),
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", str(run_dir)], env=subprocess_env(1),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -197,13 +198,6 @@ def test_truncate_metrics_drops_later_rows_and_a_torn_line(tmp_path):
 
 # --- the command line: signals and hard kills -------------------------------------------------------
 
-def cli_env(num_devices: int) -> dict:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO_ROOT))
-    return env
-
-
 # Endless unless stopped: 1e9 steps; progress lines every chunk (stderr is not a terminal).
 LONG_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=8", "ppo.num_steps=16",
             "ppo.anneal_lr=false", "train.total_env_steps=1000000000", "train.updates_per_chunk=2",
@@ -212,7 +206,7 @@ LONG_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.n
 
 def start_training(args: list[str], log: Path) -> subprocess.Popen:
     handle = open(log, "w")
-    return subprocess.Popen([sys.executable, "-m", "jaxddppo.train", *args], env=cli_env(1),
+    return subprocess.Popen([sys.executable, "-m", "jaxddppo.train", *args], env=subprocess_env(1),
                             stdout=handle, stderr=subprocess.STDOUT, text=True)
 
 
@@ -227,7 +221,7 @@ def wait_for_training(process: subprocess.Popen, log: Path, timeout: float = 300
 
 def finish(run_dir: Path, extra: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jaxddppo.train", "--resume", str(run_dir), *extra],
-                          env=cli_env(1), capture_output=True, text=True, timeout=300)
+                          env=subprocess_env(1), capture_output=True, text=True, timeout=300)
 
 
 def test_sigterm_saves_reports_and_resumes(tmp_path):
@@ -282,7 +276,7 @@ def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
 
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
     result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", one_go.run_dir, "--json"],
-                            env=cli_env(1), capture_output=True, text=True, timeout=300)
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     printed = json.loads(result.stdout)
     assert printed["update"] == 12 and printed["episodes"] == 4
@@ -314,7 +308,7 @@ def test_load_policy_acts_like_the_trained_params(one_go):
 ])
 def test_evaluate_bad_input_is_one_line_and_exit_2(one_go, args, message):
     result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", *(a.format(run=one_go.run_dir) for a in args)],
-                            env=cli_env(1), capture_output=True, text=True, timeout=300)
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.strip() == message.format(run=one_go.run_dir), result.stderr
 
 

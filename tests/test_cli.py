@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from conftest import subprocess_env
 
 from jaxddppo.config import load_config, options
 from jaxddppo.logging import METRIC_FIELDS, SUMMARY_FIELDS
@@ -50,15 +51,6 @@ DEFAULT_DIR_OVERRIDES = ["env.num_envs=8", "train.total_env_steps=1024"]
 DEFAULT_DIR_NUM_UPDATES = 1024 // (8 * 16)
 
 
-def cli_env() -> dict[str, str]:
-    """This interpreter's environment, with exactly one CPU device and this checkout importable."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "jaxddppo.train", *args]
 
@@ -78,7 +70,7 @@ class Result:
 def run_cli(args: list[str], cwd: Path, timeout: float = QUICK_TIMEOUT_S) -> Result:
     start = time.perf_counter()
     completed = subprocess.run(
-        cli_command(*args), cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+        cli_command(*args), cwd=cwd, env=subprocess_env(1), capture_output=True, text=True, timeout=timeout,
     )
     return Result(completed.returncode, completed.stdout, completed.stderr, time.perf_counter() - start)
 
@@ -93,7 +85,7 @@ class BackgroundRun:
         self._start = time.perf_counter()
         self._result: Optional[Result] = None
         with open(self._stdout, "w") as out, open(self._stderr, "w") as err:
-            self._process = subprocess.Popen(cli_command(*args), cwd=cwd, env=cli_env(), stdout=out, stderr=err)
+            self._process = subprocess.Popen(cli_command(*args), cwd=cwd, env=subprocess_env(1), stdout=out, stderr=err)
 
     def result(self) -> Result:
         if self._result is None:
@@ -355,7 +347,7 @@ def test_overrides_beat_the_config_file(real_runs: RealRuns):
 def test_external_device_count_is_honoured_and_used_by_default(tmp_path):
     """XLA_FLAGS set by the user decides the devices; num_shards defaults to all of them."""
     (tmp_path / "run.yaml").write_text(MAIN_YAML)
-    env = cli_env()
+    env = subprocess_env(1)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     completed = subprocess.run(
         cli_command("--config", "run.yaml", "run.dir=two", "train.total_env_steps=512"),

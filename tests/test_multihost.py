@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from jaxddppo import sharding
 from jaxddppo.config import load_config
@@ -28,13 +29,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def train_env(num_devices: int) -> dict:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(REPO_ROOT))
-    return env
 
 
 # Evaluations after updates 4 and 8: a collective every process must join.
@@ -55,7 +49,7 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
              "debug.check_replicas=true", f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}",
              "distributed.init_timeout=120"],
-            env=train_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=subprocess_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for process_id in range(2)
     ]
@@ -88,7 +82,7 @@ def test_unreachable_coordinator_is_one_line_within_the_timeout(tmp_path):
         [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, f"run.dir={tmp_path / 'r'}",
          f"distributed.coordinator=127.0.0.1:{free_port()}", "distributed.num_processes=2",
          "distributed.process_id=1", "distributed.init_timeout=3"],
-        env=train_env(1), capture_output=True, text=True, timeout=120,
+        env=subprocess_env(1), capture_output=True, text=True, timeout=120,
     )
     elapsed = time.monotonic() - start
     lines = completed.stderr.strip().splitlines()
@@ -142,7 +136,7 @@ def test_launcher_stops_every_process_when_a_worker_dies(tmp_path):
     launcher = subprocess.Popen(
         [sys.executable, "-m", "jaxddppo.launch", "--num-processes", "2", "--devices-per-process", "1",
          "--timeout-after-failure", "5", "--", *long_run],
-        env=train_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         metrics = run_dir / "metrics.jsonl"
@@ -168,7 +162,7 @@ def start_workers(args: list[str], port: int, log_dir: Path) -> list[subprocess.
         subprocess.Popen(
             [sys.executable, "-m", "jaxddppo.train", *args, f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}", "distributed.init_timeout=120"],
-            env=train_env(1), stdout=open(log_dir / f"worker{process_id}.log", "w"), stderr=subprocess.STDOUT,
+            env=subprocess_env(1), stdout=open(log_dir / f"worker{process_id}.log", "w"), stderr=subprocess.STDOUT,
         )
         for process_id in range(2)
     ]

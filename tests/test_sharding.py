@@ -7,7 +7,6 @@
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import subprocess_env
 
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict
@@ -202,18 +202,12 @@ def test_minibatch_advantages_normalised_over_all_shards():
 # --- run.cpu_threads -------------------------------------------------------------------------------
 
 THREADS_SCRIPT = """
-import collections, json, os, sys
+import json, sys
 from jaxddppo import sharding, train
+from jaxddppo.bench import xla_cpu_pool_threads
 from jaxddppo.config import from_dict
 result = train.run(from_dict(json.loads(sys.argv[1])))
-def thread_name(task):
-    try:
-        with open(f"/proc/self/task/{task}/comm") as handle:
-            return handle.read().strip()
-    except FileNotFoundError:  # a short-lived thread that ended meanwhile
-        return None
-threads = collections.Counter(thread_name(task) for task in os.listdir("/proc/self/task"))
-print(json.dumps({"eigen_threads": threads["tf_XLAEigen"], "digest": result.summary["params_digest"],
+print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],
                   "same_again": sharding.set_cpu_threads(3), "other_after_start": sharding.set_cpu_threads(2)}))
 """
 
@@ -233,12 +227,8 @@ def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path
     """A fresh process with run.cpu_threads=3 (neither XLA's default on this machine's
     cores nor 1) runs 3 XLA CPU pool threads and learns bit for bit what the
     default pool learns here; asked for another size once JAX has started, it warns."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
     completed = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, json.dumps(threads_config(tmp_path, 3))],
-                               env=env, capture_output=True, text=True, timeout=300)
+                               env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["eigen_threads"] == 3
