@@ -320,7 +320,9 @@ class BenchError(RuntimeError):
 
 def run_trial(trial: Trial, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One measurement in a fresh subprocess with `trial.devices` simulated CPU devices."""
-    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
+    from jaxddppo.sharding import environment_for_own_cpu_threads
+
+    env = environment_for_own_cpu_threads(os.environ)
     if trial.cpu_threads:
         env["PJRT_NPROC"] = str(trial.cpu_threads)
     env["XLA_FLAGS"] = " ".join(

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -344,6 +344,13 @@ def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
                     "check that process 0 runs and that its host and port are reachable"
                 ) from None
             time.sleep(0.25)
+
+
+def environment_for_own_cpu_threads(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a child process that sizes its own XLA CPU thread pool: without
+    PJRT_NPROC (the pool size, as `set_cpu_threads` sets it) and NPROC (the CPU count
+    XLA's default pool is sized from)."""
+    return {key: value for key, value in environ.items() if key not in ("PJRT_NPROC", "NPROC")}
 
 
 def set_cpu_threads(cpu_threads: int) -> Optional[str]:

@@ -347,11 +347,9 @@ def test_overrides_beat_the_config_file(real_runs: RealRuns):
 def test_external_device_count_is_honoured_and_used_by_default(tmp_path):
     """XLA_FLAGS set by the user decides the devices; num_shards defaults to all of them."""
     (tmp_path / "run.yaml").write_text(MAIN_YAML)
-    env = subprocess_env(1)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     completed = subprocess.run(
         cli_command("--config", "run.yaml", "run.dir=two", "train.total_env_steps=512"),
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+        cwd=tmp_path, env=subprocess_env(2), capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stderr
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
