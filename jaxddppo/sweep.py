@@ -58,6 +58,7 @@ from jaxddppo.train import (
     chunk_plan,
     chunk_sizes_needed,
     claim_run_dir,
+    compile_concurrently,
     metrics_rows,
     process_label,
 )
@@ -205,7 +206,8 @@ class Population:
     def initial_params(self) -> Any:
         """Every member's initial parameters, computed one member at a time: leaves [members, shards, ...]."""
         example_obs, _ = self.env.reset(jax.random.key(0), 1)
-        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs))
+        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs),
+                       compiler_options=sharding.run_once_compiler_options(self.mesh))
         per_member = [jax.device_get(init(np.int32(member.seed))) for member in self.members]
         num_shards = self.placement.num_shards
         stacked = jax.tree.map(
@@ -213,14 +215,15 @@ class Population:
         )
         return sharding.put_population(stacked, self.mesh)
 
-    def init_state(self, inputs: MemberInputs) -> TrainState:
+    def init_fn(self) -> Callable[[MemberInputs, Any], TrainState]:
+        """`(inputs, initial_params()) -> TrainState`: every member's initial state."""
         def init_shard(shard: MemberInputs, params: Any) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params,
             )
 
-        return sharding.population_parallel(init_shard, self.mesh)(inputs, self.initial_params())
+        return sharding.population_parallel(init_shard, self.mesh)
 
     def learn_fn(self, num_updates: int) -> Callable[[TrainState, MemberInputs], tuple[TrainState, UpdateMetrics]]:
         """`num_updates` updates of every member in one call; metrics leaves [members, shards, updates]."""
@@ -501,9 +504,12 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
         progress.message(cpu_threads_warning)
     compile_start = time.perf_counter()
     inputs = population.inputs()
-    state = population.init_state(inputs)
+    params = population.initial_params()
+    init = population.init_fn().lower(inputs, params)
     sizes = sorted(chunk_sizes_needed(0, topology.num_updates, topology.updates_per_chunk, 0))
-    compiled = {size: population.learn_fn(size).lower(state, inputs).compile() for size in sizes}
+    lowered = {"init": init, **{size: population.learn_fn(size).lower(init.out_info, inputs) for size in sizes}}
+    compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(population.mesh)})
+    state = compiled.pop("init")(inputs, params)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 

@@ -325,13 +325,16 @@ class PeriodicEval:
         )
 
 
-def compile_concurrently(lowered: Mapping[Any, Any]) -> dict[Any, Any]:
-    """Compile lowered programs side by side: XLA compiles without holding the GIL, so
-    on a machine with several cores the initialisation, the chunks and the
-    evaluation compile in about the time of the largest of them."""
+def compile_concurrently(lowered: Mapping[Any, Any],
+                         compiler_options: Optional[Mapping[Any, dict[str, Any]]] = None) -> dict[Any, Any]:
+    """Compile lowered programs side by side, each with its `compiler_options` if any: XLA
+    compiles without holding the GIL, so on a machine with several cores the
+    initialisation, the chunks and the evaluation compile in about the time of the
+    largest of them."""
+    compiler_options = compiler_options or {}
     workers = max(1, min(len(lowered), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {key: pool.submit(program.compile) for key, program in lowered.items()}
+        futures = {key: pool.submit(program.compile, compiler_options.get(key)) for key, program in lowered.items()}
         return {key: future.result() for key, future in futures.items()}
 
 
@@ -348,9 +351,12 @@ class Programs:
 
 
 def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Programs:
-    """Lower every program of a run from the state's shapes alone, then compile them concurrently."""
-    state = experiment.abstract_state()
-    lowered: dict[Any, Any] = {"init": experiment.init_fn().lower(experiment.shard_indices())}
+    """Lower every program of a run from the state's shapes alone (the initialisation's
+    outputs), then compile them concurrently; the initialisation runs once, and
+    compiles with `sharding.run_once_compiler_options`."""
+    init = experiment.init_fn().lower(experiment.shard_indices())
+    state = init.out_info
+    lowered: dict[Any, Any] = {"init": init}
     lowered.update({size: experiment.learn_fn(size).lower(state) for size in sorted(chunk_sizes)})
     lowered["all_finite"] = _all_finite.lower(state.params)
     every_updates = experiment.config.eval.every_updates
@@ -358,7 +364,7 @@ def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Prog
         lowered["eval"] = experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, experiment.shard_indices()
         )
-    compiled = compile_concurrently(lowered)
+    compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(experiment.mesh)})
     periodic_eval = None
     if every_updates:
         periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), experiment.shard_indices())

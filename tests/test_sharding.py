@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import REPO_ROOT, subprocess_env
 
-from jaxddppo import sharding
-from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict
+from jaxddppo import sharding, train
+from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.ppo import Batch, PPOHyperparams, normalize_minibatch_advantages, shard_gradients
@@ -197,6 +197,37 @@ def test_minibatch_advantages_normalised_over_all_shards():
     mean = gathered.mean(axis=(0, 3), keepdims=True)
     std = gathered.std(axis=(0, 3), keepdims=True)
     np.testing.assert_allclose(result, (gathered - mean) / (std + 1e-8), rtol=1e-4, atol=1e-4)
+
+
+# --- programs that run once ----------------------------------------------------------------------
+
+def comparable_leaves(tree) -> list[np.ndarray]:
+    as_data = lambda leaf: jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(jax.tree.map(as_data, tree))]
+
+
+@pytest.mark.parametrize("experiment_yaml", ["cartpole.yaml", "memory_chain.yaml", "pendulum.yaml"])
+def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
+    """The initialisation compiled with `run_once_compiler_options` (a feed-forward, a
+    recurrent and a continuous-action network) gives every leaf of the initial state
+    bit for bit as the default compilation does."""
+    experiment = build(load_config(str(REPO_ROOT / "experiments" / experiment_yaml)), jax.devices()[:1])
+    lowered = experiment.init_fn().lower(experiment.shard_indices())
+    default = lowered.compile()(experiment.shard_indices())
+    run_once = lowered.compile(sharding.run_once_compiler_options(experiment.mesh))(experiment.shard_indices())
+    assert jax.tree.structure(run_once) == jax.tree.structure(default)
+    for run_once_leaf, default_leaf in zip(comparable_leaves(run_once), comparable_leaves(default)):
+        np.testing.assert_array_equal(run_once_leaf, default_leaf)
+
+
+def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
+    """compile_programs hands the run-once options to XLA with the initialisation:
+    a preset XLA does not know fails the compilation and is named in the error."""
+    monkeypatch.setattr(sharding, "run_once_compiler_options", lambda mesh: {"xla_cpu_opt_preset": "NO_SUCH_PRESET"})
+    experiment = build(from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
+                                  "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
+    with pytest.raises(Exception, match="NO_SUCH_PRESET"):
+        train.compile_programs(experiment, [1])
 
 
 # --- run.cpu_threads -------------------------------------------------------------------------------
