@@ -29,6 +29,18 @@ def subprocess_env(num_devices: int) -> dict[str, str]:
     return env
 
 
+def host_leaves(tree) -> list[np.ndarray]:
+    """Every leaf of a global state on the host (all shards), typed keys as their raw key data."""
+    import jax
+
+    from jaxddppo.sharding import all_shards
+
+    def raw(leaf):
+        return jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(all_shards(jax.tree.map(raw, tree)))]
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

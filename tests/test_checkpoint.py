@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import host_leaves, subprocess_env
 
 from jaxddppo import sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer
@@ -46,14 +46,6 @@ def small_config(run_dir: Path, **sections: dict):
         values.setdefault(name, {}).update(section)
     values["run"]["dir"] = str(run_dir)
     return from_dict(values)
-
-
-def leaves(tree) -> list[np.ndarray]:
-    """Every leaf on the host, typed keys as their raw key data."""
-    def raw(leaf):
-        return jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-
-    return [np.asarray(leaf) for leaf in jax.tree.leaves(sharding.all_shards(jax.tree.map(raw, tree)))]
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -94,7 +86,7 @@ def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["4", "6"]
     resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
     assert resumed.counters.update == 12
-    for got, want in zip(leaves(resumed.state), leaves(one_go.state), strict=True):
+    for got, want in zip(host_leaves(resumed.state), host_leaves(one_go.state), strict=True):
         np.testing.assert_array_equal(got, want)
     assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
     assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(one_go.run_dir)))
@@ -105,7 +97,7 @@ def test_elastic_resume_on_fewer_devices_matches_within_tolerance(one_go, tmp_pa
     run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
     resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:2], resume=True)
     assert resumed.summary["num_devices"] == 2 and resumed.summary["num_shards"] == 4
-    for got, want in zip(leaves(resumed.state.params), leaves(one_go.state.params), strict=True):
+    for got, want in zip(host_leaves(resumed.state.params), host_leaves(one_go.state.params), strict=True):
         assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-12)
     np.testing.assert_allclose(resumed.summary["params_digest"], one_go.summary["params_digest"], rtol=1e-5)
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, host_leaves, subprocess_env
 
 from jaxddppo import sharding, train
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
@@ -201,11 +201,6 @@ def test_minibatch_advantages_normalised_over_all_shards():
 
 # --- programs that run once ----------------------------------------------------------------------
 
-def comparable_leaves(tree) -> list[np.ndarray]:
-    as_data = lambda leaf: jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-    return [np.asarray(leaf) for leaf in jax.tree.leaves(jax.tree.map(as_data, tree))]
-
-
 @pytest.mark.parametrize("experiment_yaml", ["cartpole.yaml", "memory_chain.yaml", "pendulum.yaml"])
 def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
     """The initialisation compiled with `run_once_compiler_options` (a feed-forward, a
@@ -216,7 +211,7 @@ def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
     default = lowered.compile()(experiment.shard_indices())
     run_once = lowered.compile(sharding.run_once_compiler_options(experiment.mesh))(experiment.shard_indices())
     assert jax.tree.structure(run_once) == jax.tree.structure(default)
-    for run_once_leaf, default_leaf in zip(comparable_leaves(run_once), comparable_leaves(default)):
+    for run_once_leaf, default_leaf in zip(host_leaves(run_once), host_leaves(default), strict=True):
         np.testing.assert_array_equal(run_once_leaf, default_leaf)
 
 
