@@ -71,7 +71,7 @@ def main() -> None:
     seconds = []
     for _ in range(args.chunks):
         start = time.perf_counter()
-        state, metrics = chunk(state)
+        state, metrics, _ = chunk(state)
         jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
     per_update = statistics.median(seconds[2:] or seconds) / size
@@ -81,7 +81,7 @@ def main() -> None:
 
     if args.trace:
         jax.profiler.start_trace(args.trace)
-        state, metrics = chunk(state)
+        state, metrics, _ = chunk(state)
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         counts = executed_operations(args.trace)

@@ -92,13 +92,16 @@ class Experiment:
         return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
                             jax.eval_shape(self.init_state))
 
-    def learn_fn(self, num_updates: int) -> Callable[[TrainState], tuple[TrainState, UpdateMetrics]]:
-        """`num_updates` updates in one jitted call; metrics leaves are [num_shards, num_updates]."""
+    def learn_fn(self, num_updates: int) -> Callable[[TrainState], tuple[TrainState, UpdateMetrics, jax.Array]]:
+        """`num_updates` updates in one jitted call: the new state, the metrics (leaves
+        [num_shards, num_updates]) and whether every parameter is finite afterwards
+        ([num_shards] bools, checked in the same program to spare the host loop a call)."""
         update = make_update(self.env, self.network, self.settings)
         hyperparams = self.hyperparams
 
-        def learn(state: TrainState) -> tuple[TrainState, UpdateMetrics]:
-            return jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=num_updates)
+        def learn(state: TrainState) -> tuple[TrainState, UpdateMetrics, jax.Array]:
+            state, metrics = jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=num_updates)
+            return state, metrics, all_finite(state.params)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
 
@@ -262,8 +265,8 @@ def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
     return None
 
 
-@jax.jit
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of `tree` is finite: a bool scalar."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
 
 
@@ -341,13 +344,11 @@ def compile_concurrently(lowered: Mapping[Any, Any],
 @dataclass(frozen=True)
 class Programs:
     """Everything a run executes, compiled: the initialisation, one learn call per chunk
-    size, the periodic evaluation (None when `eval.every_updates` is 0) and the
-    parameters' finiteness check."""
+    size and the periodic evaluation (None when `eval.every_updates` is 0)."""
 
     init: Callable[[jax.Array], TrainState]
     chunks: dict[int, Any]
     periodic_eval: Optional[PeriodicEval]
-    all_finite: Callable[[Any], jax.Array]  # params -> bool scalar
 
 
 def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Programs:
@@ -358,7 +359,6 @@ def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Prog
     state = init.out_info
     lowered: dict[Any, Any] = {"init": init}
     lowered.update({size: experiment.learn_fn(size).lower(state) for size in sorted(chunk_sizes)})
-    lowered["all_finite"] = _all_finite.lower(state.params)
     every_updates = experiment.config.eval.every_updates
     if every_updates:
         lowered["eval"] = experiment.eval_fn().lower(
@@ -368,8 +368,7 @@ def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Prog
     periodic_eval = None
     if every_updates:
         periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), experiment.shard_indices())
-    return Programs(init=compiled.pop("init"), all_finite=compiled.pop("all_finite"), chunks=compiled,
-                    periodic_eval=periodic_eval)
+    return Programs(init=compiled.pop("init"), chunks=compiled, periodic_eval=periodic_eval)
 
 
 @dataclass(frozen=True)
@@ -392,8 +391,8 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
-        state, metrics = programs.chunks[size](state)
-        metrics = sharding.first_shard(metrics)  # blocks until the chunk is done
+        state, metrics, params_finite = programs.chunks[size](state)
+        metrics, params_finite = sharding.first_shard((metrics, params_finite))  # blocks until the chunk is done
         chunk_seconds = time.perf_counter() - chunk_start
         first_update = counters.update
         chunk_return = chunk_episode_return(metrics)
@@ -408,7 +407,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         if bad is not None:
             offset, name = bad
             raise NonFiniteError(f"non-finite {name} at update {first_update + offset + 1}")
-        if not bool(programs.all_finite(state.params)):
+        if not params_finite:
             raise NonFiniteError(f"non-finite parameters after update {update}")
         if config.debug.check_replicas:
             sharding.check_replicas(state.params, experiment.mesh, update)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import host_leaves, subprocess_env
@@ -24,7 +25,7 @@ from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
 from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
-from jaxddppo.train import NonFiniteError, build, chunk_plan, chunk_sizes_needed, run
+from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, chunk_sizes_needed, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,6 +178,36 @@ def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_pat
     policy = load_policy(str(run_dir))
     assert policy.counters.update == 4
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(policy.params))
+
+
+def test_chunk_reports_whether_its_parameters_are_finite():
+    experiment = build(small_config(Path("unused")), devices=jax.devices()[:2])
+    learn = experiment.learn_fn(1)
+    _, _, finite = learn(experiment.init_state())
+    assert np.asarray(finite).tolist() == [True] * 4
+    state = experiment.init_state()
+    first_leaf = jax.tree.leaves(state.params)[0]
+    poisoned = state.replace(params=jax.tree.map(
+        lambda leaf: leaf.at[2].set(np.inf) if leaf is first_leaf else leaf, state.params))
+    _, _, finite = learn(poisoned)
+    assert not np.asarray(finite).any()
+
+
+def test_non_finite_parameters_stop_the_run_naming_the_update(tmp_path, monkeypatch):
+    """Parameters can turn non-finite while every guarded metric stays finite: the run
+    then stops on the chunk's own finiteness flag (forced false here)."""
+    learn_fn = Experiment.learn_fn
+
+    def learn_fn_reporting_non_finite(self, num_updates):
+        learn = learn_fn(self, num_updates)
+        return jax.jit(lambda state: (lambda s, m, finite: (s, m, jnp.zeros_like(finite)))(*learn(state)))
+
+    monkeypatch.setattr(Experiment, "learn_fn", learn_fn_reporting_non_finite)
+    with pytest.raises(NonFiniteError, match=r"^non-finite parameters after update 4; stopped without saving "
+                                             r"it; no checkpoint had been saved$"):
+        run(small_config(tmp_path / "run"), devices=jax.devices()[:4])
+    assert [row["update"] for row in metric_rows(tmp_path / "run")] == [1, 2, 3, 4]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == []
 
 
 def test_truncate_metrics_drops_later_rows_and_a_torn_line(tmp_path):

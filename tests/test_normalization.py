@@ -200,8 +200,8 @@ def test_training_keeps_global_statistics_in_the_state():
     })
     experiment = build(config, jax.devices())
     learn = experiment.learn_fn(1)
-    state, _ = learn(experiment.init_state())
-    state, _ = learn(state)
+    state, _, _ = learn(experiment.init_state())
+    state, _, _ = learn(state)
     assert learn._cache_size() == 1, "the second chunk recompiled"
     moments = sharding.all_shards((state.obs_moments, state.return_moments))
     assert np.all(moments[0].count == 2 * 8 * 8) and np.all(moments[1].count == 2 * 8 * 8)

@@ -120,8 +120,8 @@ def runs_by_device_count():
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
         learn = experiment.learn_fn(3)
-        state, _ = learn(state)
-        state, metrics = learn(state)
+        state, _, _ = learn(state)
+        state, metrics, _ = learn(state)
         results[num_devices] = (experiment, state, metrics, learn)
     return results
 
