@@ -291,8 +291,12 @@ def params_digests(params: Any) -> list[float]:
 
 def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
     """The global array [0, 1, ..., num_shards-1], each process holding its own part."""
-    indices = np.arange(num_shards, dtype=np.int32)
-    return jax.make_array_from_callback((num_shards,), shard_sharding(mesh), lambda index: indices[index])
+    return global_shard_array(mesh, np.arange(num_shards, dtype=np.int32))
+
+
+def global_shard_array(mesh: Mesh, values: np.ndarray) -> jax.Array:
+    """Host `values` [num_shards, ...] as a global array split over the mesh, each process holding its own part."""
+    return jax.make_array_from_callback(values.shape, shard_sharding(mesh), lambda index: values[index])
 
 
 def first_shard(tree: Any) -> Any:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxddppo import sharding
 from jaxddppo.checkpoint import (
@@ -55,6 +56,17 @@ from jaxddppo.ppo import (
 )
 
 
+@struct.dataclass
+class ShardInputs:
+    """Each shard's traced inputs to the initialisation and the evaluation, leaves
+    [num_shards]: its global index and the run's seed. The seed is an argument, not a
+    constant of the program, so that one compiled program serves every seed (and JAX's
+    persistent compilation cache serves a run with another seed)."""
+
+    shard_index: jax.Array
+    seed: jax.Array
+
+
 @dataclass(frozen=True)
 class Experiment:
     """Everything static about a run, and its compiled-on-demand entry points."""
@@ -67,24 +79,27 @@ class Experiment:
     settings: UpdateSettings
     hyperparams: PPOHyperparams
 
-    def init_fn(self) -> Callable[[jax.Array], TrainState]:
-        """`(shard_indices) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
+    def init_fn(self) -> Callable[[ShardInputs], TrainState]:
+        """`(shard_inputs) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
         topology = self.topology
 
-        def init_shard(shard_index: jax.Array) -> TrainState:
+        def init_shard(shard: ShardInputs) -> TrainState:
             return init_train_state(
-                shard_index, self.config.train.seed, self.env, self.network,
+                shard.shard_index, shard.seed, self.env, self.network,
                 topology.num_envs_per_shard, self.hyperparams, self.settings,
             )
 
         return sharding.shard_parallel(init_shard, self.mesh)
 
-    def shard_indices(self) -> jax.Array:
-        return sharding.global_shard_indices(self.mesh, self.topology.num_shards)
+    def shard_inputs(self) -> ShardInputs:
+        num_shards = self.topology.num_shards
+        seeds = np.full(num_shards, self.config.train.seed, np.int32)
+        return ShardInputs(shard_index=sharding.global_shard_indices(self.mesh, num_shards),
+                           seed=sharding.global_shard_array(self.mesh, seeds))
 
     def init_state(self) -> TrainState:
         """The global training state: leaves [num_shards, ...] split over the mesh."""
-        return self.init_fn()(self.shard_indices())
+        return self.init_fn()(self.shard_inputs())
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
@@ -105,17 +120,17 @@ class Experiment:
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
 
-    def eval_fn(self) -> Callable[[Any, Any, jax.Array, jax.Array], EvalStats]:
-        """`(params, obs_moments, update_index, shard_index) -> EvalStats`, every argument and leaf [num_shards].
+    def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
+        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf [num_shards].
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
         config, topology = self.config, self.topology
-        eval_root = jax.random.fold_in(jax.random.key(config.train.seed), 3)
 
-        def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard_index: jax.Array) -> EvalStats:
+        def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
+            eval_root = jax.random.fold_in(jax.random.key(shard.seed), 3)
             return evaluate_on_shards(
-                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard_index,
+                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
                 config.eval.num_episodes, topology.num_shards, obs_moments,
             )
 
@@ -316,15 +331,15 @@ class PeriodicEval:
     chunks: it is a collective over all shards."""
 
     every_updates: int
-    evaluate: Callable[[Any, Any, jax.Array, jax.Array], EvalStats]
-    shard_indices: jax.Array
+    evaluate: Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]
+    shard_inputs: ShardInputs
 
     def after(self, state: TrainState, updates_done: int) -> Optional[EvalStats]:
         """Evaluate the current policy if `updates_done` is on the cadence; host statistics or None."""
         if updates_done % self.every_updates:
             return None
         return sharding.first_shard(
-            self.evaluate(state.params, state.obs_moments, state.update_index, self.shard_indices)
+            self.evaluate(state.params, state.obs_moments, state.update_index, self.shard_inputs)
         )
 
 
@@ -346,7 +361,7 @@ class Programs:
     """Everything a run executes, compiled: the initialisation, one learn call per chunk
     size and the periodic evaluation (None when `eval.every_updates` is 0)."""
 
-    init: Callable[[jax.Array], TrainState]
+    init: Callable[[ShardInputs], TrainState]
     chunks: dict[int, Any]
     periodic_eval: Optional[PeriodicEval]
 
@@ -355,19 +370,20 @@ def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Prog
     """Lower every program of a run from the state's shapes alone (the initialisation's
     outputs), then compile them concurrently; the initialisation runs once, and
     compiles with `sharding.run_once_compiler_options`."""
-    init = experiment.init_fn().lower(experiment.shard_indices())
+    inputs = experiment.shard_inputs()
+    init = experiment.init_fn().lower(inputs)
     state = init.out_info
     lowered: dict[Any, Any] = {"init": init}
     lowered.update({size: experiment.learn_fn(size).lower(state) for size in sorted(chunk_sizes)})
     every_updates = experiment.config.eval.every_updates
     if every_updates:
         lowered["eval"] = experiment.eval_fn().lower(
-            state.params, state.obs_moments, state.update_index, experiment.shard_indices()
+            state.params, state.obs_moments, state.update_index, inputs
         )
     compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(experiment.mesh)})
     periodic_eval = None
     if every_updates:
-        periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), experiment.shard_indices())
+        periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), inputs)
     return Programs(init=compiled.pop("init"), chunks=compiled, periodic_eval=periodic_eval)
 
 
@@ -536,7 +552,7 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     cadence = (topology.updates_per_chunk, config.checkpoint.every_updates)
     expected_start = min(checkpointer.latest_step() or 0, stop_update) if resume else 0
     programs = compile_programs(experiment, chunk_sizes_needed(expected_start, stop_update, *cadence))
-    state = programs.init(experiment.shard_indices())
+    state = programs.init(experiment.shard_inputs())
     counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
     restored_update = None
     if resume:

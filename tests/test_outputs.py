@@ -56,10 +56,9 @@ def eval_on_shards(config_values: dict, num_devices: int, update_index: int):
     """An evaluation as the run computes it, of `noisy_params`, and those parameters."""
     experiment = build(from_dict(config_values), jax.devices()[:num_devices])
     params = noisy_params(experiment)
-    indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
     update = jax.device_put(np.full(experiment.topology.num_shards, update_index, np.int32),
                             sharding.shard_sharding(experiment.mesh))
-    stats = sharding.all_shards(experiment.eval_fn()(params, None, update, indices))
+    stats = sharding.all_shards(experiment.eval_fn()(params, None, update, experiment.shard_inputs()))
     return experiment, sharding.first_shard(params), stats
 
 
@@ -129,8 +128,8 @@ def test_run_evaluates_on_its_cadence_with_the_current_policy(logged_run):
             assert (row[name] is not None) == evaluated, (name, row)
     # The last evaluation is of the final parameters, with the key of update 8.
     experiment = build(config, jax.devices()[:2])
-    indices = sharding.global_shard_indices(experiment.mesh, experiment.topology.num_shards)
-    final = sharding.first_shard(experiment.eval_fn()(result.state.params, result.state.obs_moments, result.state.update_index, indices))
+    final = sharding.first_shard(experiment.eval_fn()(result.state.params, result.state.obs_moments,
+                                                      result.state.update_index, experiment.shard_inputs()))
     assert [rows[-1][name] for name in eval_names] == [
         float(final.return_mean), float(final.return_std), float(final.length_mean)
     ]

@@ -4,6 +4,8 @@
 - One config with num_shards=4 learns the same on 1, 2 and 4 devices.
 - Replicas stay identical; shards get their own environment streams.
 - run.cpu_threads sizes XLA's CPU thread pool, without changing what is learnt.
+- Programs that run once compile for speed of compiling, with the same results; the
+  seed is an argument of the programs, so every seed shares them.
 """
 
 import json
@@ -207,9 +209,9 @@ def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
     recurrent and a continuous-action network) gives every leaf of the initial state
     bit for bit as the default compilation does."""
     experiment = build(load_config(str(REPO_ROOT / "experiments" / experiment_yaml)), jax.devices()[:1])
-    lowered = experiment.init_fn().lower(experiment.shard_indices())
-    default = lowered.compile()(experiment.shard_indices())
-    run_once = lowered.compile(sharding.run_once_compiler_options(experiment.mesh))(experiment.shard_indices())
+    lowered = experiment.init_fn().lower(experiment.shard_inputs())
+    default = lowered.compile()(experiment.shard_inputs())
+    run_once = lowered.compile(sharding.run_once_compiler_options(experiment.mesh))(experiment.shard_inputs())
     assert jax.tree.structure(run_once) == jax.tree.structure(default)
     for run_once_leaf, default_leaf in zip(host_leaves(run_once), host_leaves(default), strict=True):
         np.testing.assert_array_equal(run_once_leaf, default_leaf)
@@ -267,3 +269,31 @@ def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path
 def test_negative_cpu_threads_are_refused():
     with pytest.raises(ConfigError, match=r"^run.cpu_threads=-1 is invalid: must be >= 0"):
         from_dict({"run": {"cpu_threads": -1}})
+
+
+def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
+    """The seed is an argument of the programs, not a constant in them: runs with another
+    seed lower to the same programs (so JAX's persistent compilation cache serves them),
+    and the initialisation compiled for one seed, given another's inputs, computes that
+    seed's initial state."""
+    def experiment_with_seed(seed):
+        return build(from_dict({"env": {"num_envs": 4}, "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
+                                "train": {"total_env_steps": 64, "updates_per_chunk": 1, "num_shards": 2,
+                                          "seed": seed}}), jax.devices()[:2])
+
+    def lowered_programs(experiment):
+        inputs = experiment.shard_inputs()
+        init = experiment.init_fn().lower(inputs)
+        state = init.out_info
+        evaluate = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
+        return init, evaluate, experiment.learn_fn(1).lower(state)
+
+    first, other = experiment_with_seed(0), experiment_with_seed(5)
+    first_programs = lowered_programs(first)
+    for first_program, other_program in zip(first_programs, lowered_programs(other), strict=True):
+        assert first_program.as_text() == other_program.as_text()
+    init = first_programs[0].compile()
+    first_state, other_state = init(first.shard_inputs()), init(other.shard_inputs())
+    for leaf, expected in zip(host_leaves(other_state), host_leaves(other.init_state()), strict=True):
+        np.testing.assert_array_equal(leaf, expected)
+    assert sharding.params_digest(first_state.params) != sharding.params_digest(other_state.params)
