@@ -389,6 +389,16 @@ def set_cpu_threads(cpu_threads: int) -> Optional[str]:
     return None
 
 
+def start_backend(config: Config) -> Optional[str]:
+    """What a run or a sweep does before its first JAX computation: size the CPU thread
+    pool (`set_cpu_threads`), then join a multi-process run if the config asks for one
+    and none is joined yet. Returns `set_cpu_threads`' warning, if any."""
+    cpu_threads_warning = set_cpu_threads(config.run.cpu_threads)
+    if not jax.distributed.is_initialized():
+        initialize_distributed(config.distributed)
+    return cpu_threads_warning
+
+
 def initialize_distributed(config: DistributedConfig) -> None:
     """Join a multi-process run when the config asks for one; otherwise stay single-process.
 

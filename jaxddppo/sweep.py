@@ -480,9 +480,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
     """
     config = as_config(config)
-    cpu_threads_warning = sharding.set_cpu_threads(config.run.cpu_threads)
-    if not jax.distributed.is_initialized():
-        sharding.initialize_distributed(config.distributed)
+    cpu_threads_warning = sharding.start_backend(config)
     population = build_population(config, grid or {}, seeds, member_devices, devices)
     config, topology, placement = population.config, population.topology, population.placement
     is_writer = jax.process_index() == 0

@@ -516,9 +516,7 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
-    cpu_threads_warning = sharding.set_cpu_threads(config.run.cpu_threads)
-    if not jax.distributed.is_initialized():
-        sharding.initialize_distributed(config.distributed)
+    cpu_threads_warning = sharding.start_backend(config)
     experiment = build(config, devices)
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
