@@ -200,7 +200,12 @@ def test_non_finite_parameters_stop_the_run_naming_the_update(tmp_path, monkeypa
 
     def learn_fn_reporting_non_finite(self, num_updates):
         learn = learn_fn(self, num_updates)
-        return jax.jit(lambda state: (lambda s, m, finite: (s, m, jnp.zeros_like(finite)))(*learn(state)))
+
+        def learn_then_report_non_finite(state):
+            state, metrics, finite = learn(state)
+            return state, metrics, jnp.zeros_like(finite)
+
+        return jax.jit(learn_then_report_non_finite)
 
     monkeypatch.setattr(Experiment, "learn_fn", learn_fn_reporting_non_finite)
     with pytest.raises(NonFiniteError, match=r"^non-finite parameters after update 4; stopped without saving "
