@@ -111,6 +111,11 @@ class RunConfig:
         0, "threads of XLA's CPU thread pool, set (as PJRT_NPROC) before JAX starts its backend; 0: XLA's "
         "default, one per core. A few environments per device run faster with 1 (docs/benchmarks.md)"
     )
+    cpu_devices: int = _opt(
+        0, "JAX devices the CPU is split into, set (as jax_num_cpu_devices) before JAX starts its backend; "
+        "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count). A sweep uses every core "
+        "with one device per core (docs/sweeps.md); the CPU backend only"
+    )
 
 
 @dataclass(frozen=True)
@@ -306,7 +311,7 @@ def from_dict(values: dict) -> Config:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 
@@ -420,6 +425,8 @@ def validate(config: Config) -> None:
     _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
     _check(config.run.cpu_threads >= 0, "run.cpu_threads", config.run.cpu_threads,
            "must be >= 0 (0: XLA's default, one per core)")
+    _check(config.run.cpu_devices >= 0, "run.cpu_devices", config.run.cpu_devices,
+           "must be >= 0 (0: JAX's default)")
     _check(config.eval.every_updates >= 0, "eval.every_updates", config.eval.every_updates,
            "must be >= 0 (0: evaluate only at the end)")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")

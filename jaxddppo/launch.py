@@ -12,11 +12,11 @@ for example
 
 The launcher picks a free TCP port on 127.0.0.1 and starts process i as
 
-    python -m jaxddppo.train <arguments> distributed.coordinator=127.0.0.1:PORT \\
-        distributed.num_processes=N distributed.process_id=i
+    python -m jaxddppo.train <arguments> run.cpu_devices=D \\
+        distributed.coordinator=127.0.0.1:PORT distributed.num_processes=N distributed.process_id=i
 
-with XLA_FLAGS asking for D host devices (any other XLA flag is kept),
-JAX_PLATFORMS=cpu unless JAX_PLATFORMS is already set, and PYTHONUNBUFFERED=1.
+(D wins over a run.cpu_devices among the arguments and over XLA_FLAGS' device count),
+with JAX_PLATFORMS=cpu unless JAX_PLATFORMS is already set, and PYTHONUNBUFFERED=1.
 Every line a process prints (stdout and stderr) is printed as `[p<i>] <line>`.
 
 If a process exits non-zero or is killed, the launcher says which and how on
@@ -40,7 +40,6 @@ from typing import IO, Optional, Sequence
 
 from jaxddppo.cli import OneLineParser
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 TRAIN_COMMAND = [sys.executable, "-m", "jaxddppo.train"]
 POLL_SECONDS = 0.05
 
@@ -79,23 +78,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def xla_flags(existing: str, devices_per_process: int) -> str:
-    """`existing` XLA flags with the host device count replaced by `devices_per_process`."""
-    kept = [flag for flag in existing.split() if not flag.startswith(DEVICE_COUNT_FLAG)]
-    return " ".join(kept + [f"{DEVICE_COUNT_FLAG}={devices_per_process}"])
-
-
-def child_environment(devices_per_process: int) -> dict[str, str]:
+def child_environment() -> dict[str, str]:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = xla_flags(env.get("XLA_FLAGS", ""), devices_per_process)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def child_arguments(train_args: Sequence[str], port: int, num_processes: int, process_id: int) -> list[str]:
+def child_arguments(train_args: Sequence[str], devices_per_process: int, port: int, num_processes: int,
+                    process_id: int) -> list[str]:
     return [
         *train_args,
+        f"run.cpu_devices={devices_per_process}",
         f"distributed.coordinator=127.0.0.1:{port}",
         f"distributed.num_processes={num_processes}",
         f"distributed.process_id={process_id}",
@@ -189,7 +183,7 @@ def launch(
     """
     base_command = list(command or TRAIN_COMMAND)
     port = free_port()
-    env = child_environment(devices_per_process)
+    env = child_environment()
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
@@ -197,7 +191,7 @@ def launch(
         try:
             for process_id in range(num_processes):
                 process = subprocess.Popen(
-                    base_command + child_arguments(train_args, port, num_processes, process_id),
+                    base_command + child_arguments(train_args, devices_per_process, port, num_processes, process_id),
                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )

@@ -389,14 +389,37 @@ def set_cpu_threads(cpu_threads: int) -> Optional[str]:
     return None
 
 
-def start_backend(config: Config) -> Optional[str]:
+def set_cpu_devices(cpu_devices: int) -> Optional[str]:
+    """Split the CPU into `cpu_devices` JAX devices (`run.cpu_devices`; 0 leaves JAX's
+    default: one, or as many as XLA_FLAGS' --xla_force_host_platform_device_count says).
+
+    Like the thread pool, the CPU devices are created with JAX's backend, so this must
+    run before the first JAX computation of the process. Returns a one-line warning when
+    the backend had started already with another count, else None.
+    """
+    if cpu_devices == 0:
+        return None
+    if xla_bridge.backends_are_initialized():
+        try:
+            if len(jax.devices("cpu")) == cpu_devices:
+                return None
+        except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+            return f"warning: run.cpu_devices={cpu_devices} has no effect: JAX runs without its CPU backend"
+        return (f"warning: run.cpu_devices={cpu_devices} has no effect: JAX's backend started before it was "
+                f"set; set it in a fresh process, or XLA_FLAGS=--xla_force_host_platform_device_count={cpu_devices}")
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+    return None
+
+
+def start_backend(config: Config) -> list[str]:
     """What a run or a sweep does before its first JAX computation: size the CPU thread
-    pool (`set_cpu_threads`), then join a multi-process run if the config asks for one
-    and none is joined yet. Returns `set_cpu_threads`' warning, if any."""
-    cpu_threads_warning = set_cpu_threads(config.run.cpu_threads)
+    pool (`set_cpu_threads`) and the CPU device count (`set_cpu_devices`), then join a
+    multi-process run if the config asks for one and none is joined yet. Returns their
+    warnings, if any."""
+    warnings = [set_cpu_threads(config.run.cpu_threads), set_cpu_devices(config.run.cpu_devices)]
     if not jax.distributed.is_initialized():
         initialize_distributed(config.distributed)
-    return cpu_threads_warning
+    return [warning for warning in warnings if warning is not None]
 
 
 def initialize_distributed(config: DistributedConfig) -> None:

@@ -480,7 +480,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
     """
     config = as_config(config)
-    cpu_threads_warning = sharding.start_backend(config)
+    backend_warnings = sharding.start_backend(config)
     population = build_population(config, grid or {}, seeds, member_devices, devices)
     config, topology, placement = population.config, population.topology, population.placement
     is_writer = jax.process_index() == 0
@@ -498,8 +498,8 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps per member"
         + (f"; writing to {run_dir}" if is_writer else "")
     )
-    if cpu_threads_warning is not None:
-        progress.message(cpu_threads_warning)
+    for warning in backend_warnings:
+        progress.message(warning)
     compile_start = time.perf_counter()
     inputs = population.inputs()
     params = population.initial_params()

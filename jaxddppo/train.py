@@ -516,7 +516,7 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
-    cpu_threads_warning = sharding.start_backend(config)
+    backend_warnings = sharding.start_backend(config)
     experiment = build(config, devices)
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
@@ -531,8 +531,8 @@ def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resum
         f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; {where}"
     )
-    if cpu_threads_warning is not None:
-        progress.message(cpu_threads_warning)
+    for warning in backend_warnings:
+        progress.message(warning)
     checkpointer = Checkpointer(run_dir, config.checkpoint.keep, config.checkpoint.async_save)
     try:
         return _train(experiment, config, run_dir, progress, checkpointer, resume, stop_after_updates)

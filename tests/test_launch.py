@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxddppo.launch import launch, xla_flags
+from jaxddppo.launch import launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 60  # a child process that outlives this is a bug
@@ -91,7 +91,7 @@ class LaunchInThread:
 def test_all_processes_succeed(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4")
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    assert launch(["mode=ok", f"out={tmp_path}"], 3, 2, command=FAKE_COMMAND) == 0
+    assert launch(["mode=ok", f"out={tmp_path}", "run.cpu_devices=7"], 3, 2, command=FAKE_COMMAND) == 0
 
     lines = capsys.readouterr().out.splitlines()
     assert sorted(lines) == sorted(
@@ -105,7 +105,8 @@ def test_all_processes_succeed(tmp_path, capsys, monkeypatch):
         host, port = child["args"]["distributed.coordinator"].split(":")
         assert host == "127.0.0.1" and 0 < int(port) < 65536
         ports.add(port)
-        assert child["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=2"
+        assert child["args"]["run.cpu_devices"] == "2"  # after the trainer's arguments, so it wins
+        assert child["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=4"
         assert child["JAX_PLATFORMS"] == "cpu"
         assert child["PYTHONUNBUFFERED"] == "1"
     assert len(ports) == 1
@@ -119,14 +120,7 @@ def test_user_jax_platforms_is_kept(tmp_path, monkeypatch):
     assert launch(["mode=ok", f"out={tmp_path}"], 1, 3, command=FAKE_COMMAND) == 0
     seen = json.loads((tmp_path / "seen0.json").read_text())
     assert seen["JAX_PLATFORMS"] == "cuda"
-    assert seen["XLA_FLAGS"] == "--xla_force_host_platform_device_count=3"
-
-
-def test_xla_flags_replaces_only_the_device_count():
-    assert xla_flags("", 2) == "--xla_force_host_platform_device_count=2"
-    assert xla_flags("--a=1 --xla_force_host_platform_device_count=8  --b", 1) == (
-        "--a=1 --b --xla_force_host_platform_device_count=1"
-    )
+    assert seen["args"]["run.cpu_devices"] == "3"
 
 
 def test_failing_process_stops_the_others(tmp_path, capsys):

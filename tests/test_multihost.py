@@ -46,10 +46,10 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, *PERIODIC_EVAL, f"run.dir={tmp_path / 'multi'}",
-             "debug.check_replicas=true", f"distributed.coordinator=127.0.0.1:{port}",
+             "debug.check_replicas=true", "run.cpu_devices=2", f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}",
              "distributed.init_timeout=120"],
-            env=subprocess_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for process_id in range(2)
     ]

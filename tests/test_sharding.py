@@ -4,6 +4,7 @@
 - One config with num_shards=4 learns the same on 1, 2 and 4 devices.
 - Replicas stay identical; shards get their own environment streams.
 - run.cpu_threads sizes XLA's CPU thread pool, without changing what is learnt.
+- run.cpu_devices cannot change the device count once JAX has started, and says so.
 - Programs that run once compile for speed of compiling, with the same results; the
   seed is an argument of the programs, so every seed shares them.
 """
@@ -269,6 +270,19 @@ def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path
 def test_negative_cpu_threads_are_refused():
     with pytest.raises(ConfigError, match=r"^run.cpu_threads=-1 is invalid: must be >= 0"):
         from_dict({"run": {"cpu_threads": -1}})
+
+
+def test_cpu_devices_after_the_backend_started_warns_unless_it_matches():
+    count = len(jax.devices("cpu"))  # starts the backend, if no test has yet
+    assert sharding.set_cpu_devices(0) is None and sharding.set_cpu_devices(count) is None
+    warning = sharding.set_cpu_devices(count + 1)
+    assert warning.startswith(f"warning: run.cpu_devices={count + 1} has no effect") and "\n" not in warning
+    assert len(jax.devices("cpu")) == count
+
+
+def test_negative_cpu_devices_are_refused():
+    with pytest.raises(ConfigError, match=r"^run.cpu_devices=-2 is invalid: must be >= 0"):
+        from_dict({"run": {"cpu_devices": -2}})
 
 
 def test_one_compiled_initialisation_and_evaluation_serve_every_seed():

@@ -4,6 +4,7 @@
 - sweep.csv, metrics.jsonl and curves.png hold what the docs say.
 - Structural keys are refused with one line; placement is derived and validated.
 - `jaxddppo.train` / `jaxddppo.sweep` are callable, and `python -m` still works without warnings.
+- run.cpu_devices splits the CPU into devices for a sweep started from the command line.
 """
 
 from __future__ import annotations
@@ -204,6 +205,22 @@ def test_sweep_command_refuses_bad_input_in_one_line(tmp_path, args, expected):
     for text in expected:
         assert text in lines[0], lines[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_cpu_devices_splits_the_cpu_for_the_command_line_sweep(sweep_result, tmp_path):
+    """`python -m jaxddppo.sweep ... run.cpu_devices=2` in a process where JAX would see
+    one CPU device places the members on two, and learns bit for bit what the same sweep
+    learns on two devices through the Python API."""
+    small = [f"{section}.{key}={value}" for section, values in SMALL.items() for key, value in values.items()]
+    result = run_module("jaxddppo.sweep", ["--seeds", str(NUM_SEEDS), *small, "run.cpu_devices=2",
+                                           f"ppo.learning_rate=[{','.join(map(str, LEARNING_RATES))}]",
+                                           f"run.dir={tmp_path / 'r'}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["member_devices"] * summary["shard_devices"] == 2
+    with open(tmp_path / "r" / "sweep.csv") as handle:
+        digests = [float(row["params_digest"]) for row in csv.DictReader(handle)]
+    assert digests == [row["params_digest"] for row in sweep_result.members]
 
 
 @pytest.mark.parametrize("module", ["jaxddppo.train", "jaxddppo.sweep"])
