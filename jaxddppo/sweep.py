@@ -577,7 +577,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="devices the members are split over (default: as many as divide the member count)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value|[v1,v2,...]",
                         help="override or sweep one option")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

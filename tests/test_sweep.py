@@ -24,7 +24,7 @@ from matplotlib import image
 import jaxddppo
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, from_dict, with_overrides
-from jaxddppo.sweep import SWEEP_CSV_FIELDS, expand_members, split_overrides
+from jaxddppo.sweep import SWEEP_CSV_FIELDS, expand_members, parse_args, split_overrides
 from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +150,13 @@ def test_command_line_lists_become_grid_axes():
     assert grid == {"ppo.learning_rate": ["3e-4", "1e-3"], "network.cnn_channels": ["[8]", "[16]"]}
 
 
+def test_command_line_options_may_come_between_overrides():
+    args = parse_args(["--config", "x.yaml", "ppo.gamma=0.9", "--seeds", "2", "ppo.learning_rate=[1e-3,3e-4]",
+                       "--member-devices", "1"])
+    assert (args.config, args.seeds, args.member_devices) == ("x.yaml", 2, 1)
+    assert args.overrides == ["ppo.gamma=0.9", "ppo.learning_rate=[1e-3,3e-4]"]
+
+
 @pytest.mark.parametrize("members, shards, devices, member_devices, expected", [
     (4, None, 2, None, (2, 1, 1)),  # members take every device, one shard each
     (8, None, 4, None, (4, 1, 1)),
@@ -212,7 +219,7 @@ def test_cpu_devices_splits_the_cpu_for_the_command_line_sweep(sweep_result, tmp
     one CPU device places the members on two, and learns bit for bit what the same sweep
     learns on two devices through the Python API."""
     small = [f"{section}.{key}={value}" for section, values in SMALL.items() for key, value in values.items()]
-    result = run_module("jaxddppo.sweep", ["--seeds", str(NUM_SEEDS), *small, "run.cpu_devices=2",
+    result = run_module("jaxddppo.sweep", [*small, "run.cpu_devices=2", "--seeds", str(NUM_SEEDS),
                                            f"ppo.learning_rate=[{','.join(map(str, LEARNING_RATES))}]",
                                            f"run.dir={tmp_path / 'r'}"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
