@@ -387,6 +387,34 @@ def format_table(table: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# Vector instruction sets XLA's CPU kernels use when present: two runs compare only on the same ones.
+VECTOR_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def cpu_description(cpuinfo: str) -> dict[str, Any]:
+    """The CPU model and the vector instruction sets it has, from /proc/cpuinfo's text
+    (the first processor's fields; None and [] where the text does not say)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name") or None,
+            "cpu_vector_isa": [flag for flag in VECTOR_ISA_FLAGS if flag in flags]}
+
+
+def read_cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return handle.read()
+    except OSError:  # not Linux
+        return ""
+
+
 def machine_description() -> dict[str, Any]:
     import jax
 
@@ -395,6 +423,7 @@ def machine_description() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
+        **cpu_description(read_cpuinfo()),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
@@ -455,6 +484,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.total_env_steps is not None:
         for spec in specs.values():
             spec["total_env_steps"] = args.total_env_steps
+    machine = machine_description()
+    vector_isa = ", ".join(machine["cpu_vector_isa"]) or "none of " + ", ".join(VECTOR_ISA_FLAGS)
+    print(f"machine: {machine['cpu_model'] or 'CPU model unknown'} ({vector_isa}), {machine['cpu_count']} CPUs; "
+          f"jax {machine['jax']} on {machine['backend']}", flush=True)
     measurements: dict[Trial, list[dict[str, Any]]] = {trial: [] for trial in trials}
     for round_index in range(args.repeats):
         for trial in trials:
@@ -472,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out:
         report = {
             "command": "python -m jaxddppo.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": machine_description(),
+            "machine": machine,
             "versions": peer_versions(),
             "configs": specs,
             "repeats": args.repeats,

@@ -45,6 +45,23 @@ def test_summary_takes_medians_and_the_median_of_round_ratios():
     assert "| scaling | jaxddppo small, 2 device(s) |" in bench.format_table([entry])
 
 
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx fma avx2 avx512f avx512bw avx512_bf16
+
+processor\t: 1
+model name\t: Another CPU
+flags\t\t: fpu sse2
+"""
+
+
+def test_cpu_description_names_the_first_processors_model_and_vector_isa():
+    assert bench.cpu_description(CPUINFO) == {"cpu_model": "AMD EPYC 9R14",
+                                              "cpu_vector_isa": ["avx2", "fma", "avx512f", "avx512_bf16"]}
+    assert bench.cpu_description("") == {"cpu_model": None, "cpu_vector_isa": []}
+
+
 def test_bad_suite_is_one_line_and_exit_2():
     process = subprocess.run([sys.executable, "-m", "jaxddppo.bench", "--suites", "small,fast"],
                              capture_output=True, text=True)
@@ -60,6 +77,7 @@ def test_small_suite_side_by_side(tmp_path):
     assert bench.main(["--suites", "small", "--repeats", "1", "--total-env-steps", "4096", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["versions"]["rejax"] and report["configs"]["small"]["total_env_steps"] == 4096
+    assert report["machine"]["cpu_model"] == bench.cpu_description(bench.read_cpuinfo())["cpu_model"]
     entry = report["table"][0]
     labels = [m["label"] for m in report["measurements"]]
     assert labels == ["jaxddppo small, 1 device(s), 1 CPU thread(s)", "rejax small, 1 device(s)",
