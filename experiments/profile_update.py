@@ -3,10 +3,13 @@
     python experiments/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
         [section.key=value ...]
 
-Prints the seconds spent building, tracing and lowering, and compiling; the
-optimised program's `while` loops (each is a loop of small XLA operations, run
-once per iteration); and the steady-state time per update of the compiled chunk
-(the median over `--chunks` calls, the first two excluded as warm-up). With
+The config's `run.cpu_threads` and `run.cpu_devices` apply as in training (the
+CartPole config's single CPU thread, for instance). Prints the seconds spent
+building, tracing and lowering, and compiling; the optimised program's `while`
+loops (each is a loop of small XLA operations, run once per iteration); and the
+steady-state time per update of the compiled chunk (the median over `--chunks`
+calls, the first two excluded as warm-up), with the devices and the threads of
+XLA's CPU pool it ran on. With
 `--trace DIR` it also records one chunk with `jax.profiler` and counts, from the
 Chrome trace (`*.trace.json.gz`) the profiler writes, the XLA operations
 (thunks) executed per update: on CPU each costs a fixed overhead, so
@@ -50,11 +53,15 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args()
 
-    from jaxddppo import train
+    from jaxddppo import sharding, train
+    from jaxddppo.bench import xla_cpu_pool_threads
     from jaxddppo.config import load_config
 
+    config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
+    for warning in sharding.start_backend(config):
+        print(warning)
     start = time.perf_counter()
-    experiment = train.build(load_config(args.config, ["checkpoint.every_updates=0", *args.overrides]))
+    experiment = train.build(config)
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
@@ -76,8 +83,11 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
     per_update = statistics.median(seconds[2:] or seconds) / size
     steps = experiment.topology.env_steps_per_update
+    pool_threads = xla_cpu_pool_threads()
     print(f"{per_update * 1e3:.2f} ms per update (median of {len(seconds[2:] or seconds)} chunks of {size}): "
-          f"{steps / per_update:,.0f} env steps/s")
+          f"{steps / per_update:,.0f} env steps/s on {experiment.topology.num_devices} "
+          f"{jax.default_backend()} device(s)"
+          + (f", {pool_threads} XLA CPU pool thread(s)" if pool_threads else ""))
 
     if args.trace:
         jax.profiler.start_trace(args.trace)

@@ -109,7 +109,8 @@ class RunConfig:
     tensorboard: bool = _opt(False, "also write every metrics.jsonl field as a TensorBoard scalar into the run dir")
     cpu_threads: int = _opt(
         0, "threads of XLA's CPU thread pool, set (as PJRT_NPROC) before JAX starts its backend; 0: XLA's "
-        "default, one per core. A few environments per device run faster with 1 (docs/benchmarks.md)"
+        "default, one per core. XLA keeps at least one per CPU device. A few environments per device run faster "
+        "with 1 (docs/benchmarks.md)"
     )
     cpu_devices: int = _opt(
         0, "JAX devices the CPU is split into, set (as jax_num_cpu_devices) before JAX starts its backend; "

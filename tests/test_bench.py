@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import REPO_ROOT, subprocess_env
 from jaxddppo import bench
 
 
@@ -60,6 +61,19 @@ def test_cpu_description_names_the_first_processors_model_and_vector_isa():
     assert bench.cpu_description(CPUINFO) == {"cpu_model": "AMD EPYC 9R14",
                                               "cpu_vector_isa": ["avx2", "fma", "avx512f", "avx512_bf16"]}
     assert bench.cpu_description("") == {"cpu_model": None, "cpu_vector_isa": []}
+
+
+def test_profile_update_runs_as_the_config_says(tmp_path):
+    """experiments/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
+    process = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "experiments" / "profile_update.py"), "--config",
+         str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--chunks", "3", "ppo.num_steps=16",
+         "train.updates_per_chunk=2", "run.cpu_devices=2", "run.cpu_threads=3"],
+        capture_output=True, text=True, env=subprocess_env(1), cwd=tmp_path, timeout=300,
+    )
+    assert process.returncode == 0, process.stderr
+    assert "while loops in the optimised program" in process.stdout
+    assert "env steps/s on 2 cpu device(s), 3 XLA CPU pool thread(s)" in process.stdout
 
 
 def test_bad_suite_is_one_line_and_exit_2():
