@@ -17,7 +17,8 @@ Suites:
               (run.cpu_threads=1) vs rejax as it runs by default and with one thread too
   large       the same with 2048 environments: jaxddppo vs rejax
   scaling     jaxddppo on 2 devices vs its best on 1 device, small and large configs
-  population  1, 8 and 32 seeds of the small config: a jaxddppo sweep vs rejax vmapped
+  population  1, 8 and 32 seeds of the small config: a jaxddppo sweep vs rejax vmapped;
+              32 seeds also on 2 devices, and with one CPU thread each
 
 rejax runs in processes that never import jaxddppo, so it runs as its users run
 it (jaxddppo's faster CPU lowering of the Threefry hash is not installed there).
@@ -117,8 +118,14 @@ def comparisons(suites: Sequence[str]) -> list[Comparison]:
             for seeds in POPULATION_SEEDS:
                 rows.append(Comparison(suite, Trial("jaxddppo", "small", seeds=seeds),
                                        Trial("rejax", "small", seeds=seeds)))
-            rows.append(Comparison(suite, Trial("jaxddppo", "small", devices=2, seeds=POPULATION_SEEDS[-1]),
-                                   Trial("rejax", "small", seeds=POPULATION_SEEDS[-1])))
+            largest = POPULATION_SEEDS[-1]
+            rows.append(Comparison(suite, Trial("jaxddppo", "small", devices=2, seeds=largest),
+                                   Trial("rejax", "small", seeds=largest)))
+            # On one device, as experiments/cartpole.yaml runs it (one thread), against rejax
+            # as its users run it and with one thread too.
+            one_thread = Trial("jaxddppo", "small", seeds=largest, cpu_threads=1)
+            rows.append(Comparison(suite, one_thread, Trial("rejax", "small", seeds=largest)))
+            rows.append(Comparison(suite, one_thread, Trial("rejax", "small", seeds=largest, cpu_threads=1)))
         else:
             raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     return rows

@@ -27,7 +27,10 @@ def test_every_suite_alternates_distinct_trials():
     scaling = [row for row in rows if row.suite == "scaling"]
     assert [(row.numerator.devices, row.denominator.devices) for row in scaling] == [(2, 1), (2, 1)]
     assert [row.denominator.cpu_threads for row in scaling] == [1, 0]  # each config's best on 1 device
-    assert [row.numerator.seeds for row in rows if row.suite == "population"] == [1, 8, 32, 32]
+    population = [row for row in rows if row.suite == "population"]
+    assert [(row.numerator.seeds, row.numerator.devices) for row in population] == [
+        (1, 1), (8, 1), (32, 1), (32, 2), (32, 1), (32, 1)]
+    assert [(row.numerator.cpu_threads, row.denominator.cpu_threads) for row in population[-2:]] == [(1, 0), (1, 1)]
 
 
 def test_summary_takes_medians_and_the_median_of_round_ratios():
