@@ -422,7 +422,8 @@ def read_cpuinfo() -> str:
         return ""
 
 
-def machine_description() -> dict[str, Any]:
+def machine_description(cpu: dict[str, Any]) -> dict[str, Any]:
+    """The machine of a run, `cpu` from `cpu_description`; starts JAX's backend in this process."""
     import jax
 
     return {
@@ -430,7 +431,7 @@ def machine_description() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        **cpu_description(read_cpuinfo()),
+        **cpu,
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "device_kind": jax.devices()[0].device_kind,
@@ -491,10 +492,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.total_env_steps is not None:
         for spec in specs.values():
             spec["total_env_steps"] = args.total_env_steps
-    machine = machine_description()
-    vector_isa = ", ".join(machine["cpu_vector_isa"]) or "none of " + ", ".join(VECTOR_ISA_FLAGS)
-    print(f"machine: {machine['cpu_model'] or 'CPU model unknown'} ({vector_isa}), {machine['cpu_count']} CPUs; "
-          f"jax {machine['jax']} on {machine['backend']}", flush=True)
+    # JAX's backend stays unstarted in this process until the trials are done: the machine
+    # line needs only the CPU.
+    cpu = cpu_description(read_cpuinfo())
+    vector_isa = ", ".join(cpu["cpu_vector_isa"]) or "none of " + ", ".join(VECTOR_ISA_FLAGS)
+    print(f"machine: {cpu['cpu_model'] or 'CPU model unknown'} ({vector_isa}), {os.cpu_count()} CPUs", flush=True)
     measurements: dict[Trial, list[dict[str, Any]]] = {trial: [] for trial in trials}
     for round_index in range(args.repeats):
         for trial in trials:
@@ -512,7 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out:
         report = {
             "command": "python -m jaxddppo.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": machine,
+            "machine": machine_description(cpu),
             "versions": peer_versions(),
             "configs": specs,
             "repeats": args.repeats,
