@@ -176,7 +176,7 @@ def jaxddppo_config(spec: dict[str, Any], run_dir: str) -> dict[str, Any]:
             "max_grad_norm": spec["max_grad_norm"],
         },
         "train": {"total_env_steps": spec["total_env_steps"]},
-        "checkpoint": {"every_updates": 0},
+        "checkpoint": {"every_updates": 0, "every_seconds": 0},
         "run": {"dir": run_dir, "progress": False},
     }
 

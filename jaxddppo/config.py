@@ -122,7 +122,11 @@ class RunConfig:
 @dataclass(frozen=True)
 class CheckpointConfig:
     every_updates: int = _opt(
-        128, "save a checkpoint every this many updates (0: only at the end and when stopped by a signal)"
+        0, "save a checkpoint every this many updates (0: none by update count)"
+    )
+    every_seconds: float = _opt(
+        300.0, "save a checkpoint at the first chunk boundary once this many seconds have passed since the "
+        "last save or the start of training (0: none by time). With both 0: only at the end and when stopped"
     )
     keep: int = _opt(3, "newest checkpoints kept in RUN_DIR/checkpoints; older ones are deleted")
     async_save: bool = _opt(True, "write checkpoints in the background while training goes on")
@@ -422,7 +426,9 @@ def validate(config: Config) -> None:
         _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
                "must be at least 1 (or left unset for one shard per device)")
     _check(config.checkpoint.every_updates >= 0, "checkpoint.every_updates", config.checkpoint.every_updates,
-           "must be >= 0 (0: only at the end)")
+           "must be >= 0 (0: none by update count)")
+    _check(config.checkpoint.every_seconds >= 0, "checkpoint.every_seconds", config.checkpoint.every_seconds,
+           "must be >= 0 (0: none by time)")
     _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
     _check(config.run.cpu_threads >= 0, "run.cpu_threads", config.run.cpu_threads,
            "must be >= 0 (0: XLA's default, one per core)")

@@ -28,6 +28,7 @@ from jaxddppo.checkpoint import (
     Checkpointer,
     CheckpointError,
     RunCounters,
+    SaveSchedule,
     StopSignals,
 )
 from jaxddppo.cli import OneLineParser
@@ -403,7 +404,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     Raises NonFiniteError, after logging the chunk, without saving it.
     """
     topology, config = experiment.topology, experiment.config
-    every = config.checkpoint.every_updates
+    schedule = SaveSchedule(config.checkpoint.every_updates, config.checkpoint.every_seconds)
     saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
@@ -436,9 +437,10 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         )
         progress.update(counters.env_steps, size * topology.env_steps_per_update / chunk_seconds,
                         counters.final_episode_return)
-        stop = signals.agreed()
-        if stop is not None or (every and update % every == 0):
+        stop, save_due = signals.agreed(schedule.due_by_time())
+        if stop is not None or save_due or schedule.due_by_update(update):
             checkpointer.save(state, counters)
+            schedule.saved()
             saved_update = update
         if stop is not None:
             return LoopResult(state, counters, saved_update, stop)

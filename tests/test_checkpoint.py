@@ -19,7 +19,7 @@ import pytest
 from conftest import host_leaves, subprocess_env
 
 from jaxddppo import sharding
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer
+from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.config import ConfigError, from_dict, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
@@ -129,6 +129,37 @@ def test_keep_limits_the_checkpoints_kept(tmp_path):
     run_dir = tmp_path / "run"
     run(small_config(run_dir, checkpoint={"every_updates": 2, "keep": 2}), devices=jax.devices()[:4])
     assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == ["10", "12"]
+
+
+def test_save_schedule_by_update_and_by_time():
+    now = [100.0]
+    schedule = SaveSchedule(every_updates=4, every_seconds=30.0, clock=lambda: now[0])
+    assert [update for update in range(1, 13) if schedule.due_by_update(update)] == [4, 8, 12]
+    now[0] = 129.9
+    assert not schedule.due_by_time()
+    now[0] = 130.0
+    assert schedule.due_by_time()
+    schedule.saved()
+    now[0] = 159.0
+    assert not schedule.due_by_time()
+    off = SaveSchedule(every_updates=0, every_seconds=0.0, clock=lambda: now[0])
+    now[0] = 1e9
+    assert not off.due_by_time() and not any(off.due_by_update(update) for update in range(1, 100))
+
+
+@pytest.mark.parametrize("every_seconds, expected", [(1e-9, ["4", "8", "12"]), (300.0, ["12"])])
+def test_time_based_checkpoints_fall_on_chunk_boundaries(tmp_path, every_seconds, expected):
+    """With no update cadence, a save is due at the first chunk boundary after `every_seconds`:
+    after every chunk with a tiny interval, only the final save within a short run by default."""
+    run_dir = tmp_path / "run"
+    result = run(small_config(run_dir, checkpoint={"every_updates": 0, "every_seconds": every_seconds, "keep": 5}),
+                 devices=jax.devices()[:4])
+    assert sorted(os.listdir(run_dir / "checkpoints"), key=int) == expected
+    checkpointer = Checkpointer(str(run_dir), read_only=True)
+    restored, counters = checkpointer.restore(12, result.state)
+    checkpointer.close()
+    assert counters.update == 12
+    assert sharding.params_digest(restored.params) == result.summary["params_digest"]
 
 
 def corrupt(step_dir: Path) -> None:

@@ -178,6 +178,7 @@ BAD_INPUTS = [
     ("out_of_range_num_envs", ["env.num_envs=0"], {}, ["env.num_envs", "0"]),
     ("out_of_range_learning_rate", ["ppo.learning_rate=-1"], {}, ["ppo.learning_rate", "-1"]),
     ("invalid_choice", ["network.activation=foo"], {}, ["network.activation", "foo", "tanh"]),
+    ("negative_checkpoint_seconds", ["checkpoint.every_seconds=-5"], {}, ["checkpoint.every_seconds", "-5"]),
     # One device, so 4 shards are allowed (a multiple of the device count), but 6 envs do not split in 4.
     ("num_envs_not_divisible_by_shards", ["env.num_envs=6", "train.num_shards=4"], {},
      ["env.num_envs", "6", "train.num_shards", "4"]),
@@ -246,7 +247,7 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoints", "config.yaml", "learning_curve.png", "metrics.jsonl", "summary.json"
     ], result.describe()
-    # The final checkpoint: the last update (the run's 32 updates never hit checkpoint.every_updates=128).
+    # The final checkpoint alone: the last update (the short run never reaches checkpoint.every_seconds=300).
     assert os.listdir(run_dir / "checkpoints") == [str(MAIN_NUM_UPDATES)]
     assert_real_png(run_dir / "learning_curve.png")
 

@@ -43,12 +43,15 @@ def eval_rows(run_dir: Path) -> list[tuple]:
 
 def test_two_processes_learn_what_one_process_learns(tmp_path):
     port = free_port()
+    # The clocks of the checkpoint schedule disagree on purpose: process 0 finds a save due after
+    # every chunk, process 1 never. A save is a collective, so both must agree to save after update 4.
+    save_every_seconds = ["checkpoint.every_seconds=1e-9", "checkpoint.every_seconds=0"]
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, *PERIODIC_EVAL, f"run.dir={tmp_path / 'multi'}",
              "debug.check_replicas=true", "run.cpu_devices=2", f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}",
-             "distributed.init_timeout=120"],
+             "distributed.init_timeout=120", save_every_seconds[process_id]],
             env=subprocess_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for process_id in range(2)
@@ -63,6 +66,8 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     assert "process 1 of 2" in outputs[1] and "process 0 writes the results" in outputs[1]
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert (summary["num_processes"], summary["num_devices"], summary["num_shards"]) == (2, 4, 4)
+
+    assert sorted(os.listdir(tmp_path / "multi" / "checkpoints"), key=int) == ["4", "8"]
 
     multi_evals = eval_rows(tmp_path / "multi")
     assert [update for update, *_ in multi_evals] == [4, 8]
