@@ -65,7 +65,7 @@ def main() -> None:
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
-    lowered = experiment.learn_fn(size).lower(experiment.abstract_state())
+    lowered = experiment.learn_fn().lower(experiment.abstract_state(), experiment.abstract_update_count())
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
     chunk = lowered.compile()
@@ -74,11 +74,11 @@ def main() -> None:
     print(f"build {build_seconds:.2f} s, trace+lower {lower_seconds:.2f} s, XLA compile {compile_seconds:.2f} s; "
           f"{loops} while loops in the optimised program")
 
-    state = experiment.init_state()
+    state, full_chunk = experiment.init_state(), experiment.update_count(size)
     seconds = []
     for _ in range(args.chunks):
         start = time.perf_counter()
-        state, metrics, _ = chunk(state)
+        state, metrics, _ = chunk(state, full_chunk)
         jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
     per_update = statistics.median(seconds[2:] or seconds) / size
@@ -91,7 +91,7 @@ def main() -> None:
 
     if args.trace:
         jax.profiler.start_trace(args.trace)
-        state, metrics, _ = chunk(state)
+        state, metrics, _ = chunk(state, full_chunk)
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         counts = executed_operations(args.trace)

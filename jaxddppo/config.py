@@ -89,7 +89,8 @@ class TrainConfig:
         None, "logical data-parallel shards (default: the number of devices, over all hosts)"
     )
     updates_per_chunk: int = _opt(
-        16, "updates per compiled call; the host logs and reports progress between calls"
+        16, "updates per compiled call; the host logs and reports progress between calls (one program runs "
+        "every chunk, the last and shorter ones included)"
     )
 
 

@@ -159,16 +159,20 @@ def psum_over_shards(tree: Any) -> Any:
     return jax.lax.psum(tree, _ALL_SHARD_AXES)
 
 
-def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:
+def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
+                   shared_argnums: tuple[int, ...] = ()) -> Callable:
     """Compile `per_shard` to run once per logical shard over the whole mesh.
 
     Every argument and result is a pytree whose leaves have a leading
-    `num_shards` axis. `check_vma=False` gives pmap semantics: `jax.grad` inside
-    `per_shard` is the local gradient, and `pmean_over_shards` then averages it
-    (with the default `check_vma=True`, grad would already sum over devices).
+    `num_shards` axis, except the arguments at `shared_argnums`: one value for
+    every shard (such as a chunk's count of updates), replicated over the mesh
+    (`shared_array`) and not batched. `check_vma=False` gives pmap semantics:
+    `jax.grad` inside `per_shard` is the local gradient, and `pmean_over_shards`
+    then averages it (with the default `check_vma=True`, grad would already sum
+    over devices).
     """
-    return _jit_over_mesh(jax.vmap(per_shard, axis_name=SHARD_AXIS), mesh, PartitionSpec(DEVICE_AXIS),
-                          donate_argnums)
+    per_device = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
+    return _jit_over_mesh(per_device, mesh, PartitionSpec(DEVICE_AXIS), donate_argnums, shared_argnums)
 
 
 def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
@@ -183,12 +187,34 @@ def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
     return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"} if mesh.devices.flat[0].platform == "cpu" else {}
 
 
-def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec,
-                   donate_argnums: tuple[int, ...]) -> Callable:
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
+    """`jax.vmap(function)` over the leading axis of every argument but those at `shared_argnums`."""
+    if not shared_argnums:
+        return jax.vmap(function, axis_name=axis_name)
+
+    def mapped(*args: Any) -> Any:
+        in_axes = tuple(None if index in shared_argnums else 0 for index in range(len(args)))
+        return jax.vmap(function, in_axes=in_axes, axis_name=axis_name)(*args)
+
+    mapped.__name__ = getattr(function, "__name__", "mapped")  # names the compiled program
+    return mapped
+
+
+def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate_argnums: tuple[int, ...],
+                   shared_argnums: tuple[int, ...] = ()) -> Callable:
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
     # P() for some outputs, and feeding them back in would recompile.
-    return jax.jit(mapped, out_shardings=NamedSharding(mesh, spec), donate_argnums=donate_argnums)
+    out_shardings = NamedSharding(mesh, spec)
+    if not shared_argnums:
+        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return jax.jit(mapped, out_shardings=out_shardings, donate_argnums=donate_argnums)
+
+    def over_mesh(*args: Any) -> Any:
+        in_specs = tuple(PartitionSpec() if index in shared_argnums else spec for index in range(len(args)))
+        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+
+    over_mesh.__name__ = per_device.__name__
+    return jax.jit(over_mesh, out_shardings=out_shardings, donate_argnums=donate_argnums)
 
 
 @dataclass(frozen=True)
@@ -256,14 +282,17 @@ def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.De
     return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
 
 
-def population_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = ()) -> Callable:
-    """`shard_parallel` for a population: leaves lead with [num_members, num_shards].
+def population_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
+                        shared_argnums: tuple[int, ...] = ()) -> Callable:
+    """`shard_parallel` for a population: leaves lead with [num_members, num_shards]
+    (the arguments at `shared_argnums`: one value for every member and shard).
 
     Members are vmapped without an axis name, so `pmean_over_shards` inside
     `per_shard` reduces over one member's shards only.
     """
-    per_member = jax.vmap(per_shard, axis_name=SHARD_AXIS)
-    return _jit_over_mesh(jax.vmap(per_member), mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS), donate_argnums)
+    per_member = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
+    return _jit_over_mesh(_vmap_unshared(per_member, shared_argnums), mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS),
+                          donate_argnums, shared_argnums)
 
 
 def put_population(tree: Any, mesh: Mesh) -> Any:
@@ -297,6 +326,18 @@ def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
 def global_shard_array(mesh: Mesh, values: np.ndarray) -> jax.Array:
     """Host `values` [num_shards, ...] as a global array split over the mesh, each process holding its own part."""
     return jax.make_array_from_callback(values.shape, shard_sharding(mesh), lambda index: values[index])
+
+
+def shared_array(mesh: Mesh, value: np.ndarray) -> jax.Array:
+    """Host `value` as a global array replicated on every device of the mesh: an argument
+    at `shared_argnums` of `shard_parallel` or `population_parallel`."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, replicated_sharding(mesh), lambda index: value[index])
+
+
+def replicated_sharding(mesh: Mesh) -> NamedSharding:
+    """The placement of `shared_array`s: a whole copy on every device."""
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def first_shard(tree: Any) -> Any:

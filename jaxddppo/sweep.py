@@ -56,11 +56,11 @@ from jaxddppo.ppo import (
 from jaxddppo.train import (
     chunk_episode_return,
     chunk_plan,
-    chunk_sizes_needed,
     claim_run_dir,
     compile_concurrently,
     metrics_rows,
     process_label,
+    run_updates,
 )
 
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
@@ -225,14 +225,21 @@ class Population:
 
         return sharding.population_parallel(init_shard, self.mesh)
 
-    def learn_fn(self, num_updates: int) -> Callable[[TrainState, MemberInputs], tuple[TrainState, UpdateMetrics]]:
-        """`num_updates` updates of every member in one call; metrics leaves [members, shards, updates]."""
+    def learn_fn(self) -> Callable[[TrainState, MemberInputs, jax.Array], tuple[TrainState, UpdateMetrics]]:
+        """`(state, inputs, num_updates)`: up to `updates_per_chunk` updates of every member in
+        one call, as many as `num_updates` says (`update_count`); metrics leaves [members,
+        shards, updates_per_chunk], zeros after the last update (`train.run_updates`)."""
         update = make_update(self.env, self.network, self.settings)
+        capacity = self.topology.updates_per_chunk
 
-        def learn(state: TrainState, shard: MemberInputs) -> tuple[TrainState, UpdateMetrics]:
-            return jax.lax.scan(lambda s, _: update(s, shard.hyperparams), state, length=num_updates)
+        def learn(state: TrainState, shard: MemberInputs, num_updates: jax.Array) -> tuple[TrainState, UpdateMetrics]:
+            return run_updates(update, shard.hyperparams, state, num_updates, capacity)
 
-        return sharding.population_parallel(learn, self.mesh, donate_argnums=(0,))
+        return sharding.population_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
+
+    def update_count(self, num_updates: int) -> jax.Array:
+        """The `num_updates` argument of `learn_fn()`'s program."""
+        return sharding.shared_array(self.mesh, np.int32(num_updates))
 
     def evaluate(self, state: TrainState, inputs: MemberInputs) -> EvalResult:
         """Every member's final deterministic evaluation, as a single run does it: host [members, episodes]."""
@@ -279,7 +286,7 @@ class PopulationLoop:
     episode_returns: np.ndarray  # [members, updates], NaN where no episode ended
 
 
-def train_chunks(population: Population, state: TrainState, inputs: MemberInputs, compiled: dict[int, Any],
+def train_chunks(population: Population, state: TrainState, inputs: MemberInputs, learn: Callable,
                  writer: Optional[MetricsWriter], progress: Progress) -> PopulationLoop:
     """Call, block, time, log: the host loop over chunks of updates of the whole population."""
     topology, num_members = population.topology, population.placement.num_members
@@ -288,8 +295,9 @@ def train_chunks(population: Population, state: TrainState, inputs: MemberInputs
     curves = []
     for size in chunk_plan(0, topology.num_updates, topology.updates_per_chunk, 0):
         chunk_start = time.perf_counter()
-        state, metrics = compiled[size](state, inputs)
+        state, metrics = learn(state, inputs, population.update_count(size))
         metrics = sharding.member_first_shards(metrics)  # blocks until the chunk is done
+        metrics = jax.tree.map(lambda column: column[:, :size], metrics)
         chunk_seconds = time.perf_counter() - chunk_start
         for member in range(num_members):
             member_metrics = jax.tree.map(lambda leaf: leaf[member], metrics)
@@ -504,16 +512,16 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     inputs = population.inputs()
     params = population.initial_params()
     init = population.init_fn().lower(inputs, params)
-    sizes = sorted(chunk_sizes_needed(0, topology.num_updates, topology.updates_per_chunk, 0))
-    lowered = {"init": init, **{size: population.learn_fn(size).lower(init.out_info, inputs) for size in sizes}}
+    count = jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(population.mesh))
+    lowered = {"init": init, "learn": population.learn_fn().lower(init.out_info, inputs, count)}
     compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(population.mesh)})
-    state = compiled.pop("init")(inputs, params)
+    state = compiled["init"](inputs, params)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
     writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
     try:
-        loop = train_chunks(population, state, inputs, compiled, writer, progress)
+        loop = train_chunks(population, state, inputs, compiled["learn"], writer, progress)
     finally:
         progress.close()
         if writer is not None:

@@ -8,7 +8,6 @@ write the summary at the end.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -55,6 +54,28 @@ from jaxddppo.ppo import (
     init_train_state,
     make_update,
 )
+
+
+def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetrics]], hyperparams: Any,
+                state: TrainState, num_updates: jax.Array, capacity: int) -> tuple[TrainState, UpdateMetrics]:
+    """`num_updates` successive updates (a traced count, 1 to `capacity`) and their metrics,
+    stacked [capacity] with zeros after the last one.
+
+    The count is an argument, not the length of a scan, so that one compiled program runs
+    every chunk of a run: the last, shorter chunk and the chunks cut short by checkpoints
+    need no program of their own. The loop computes what a scan of the same updates
+    computes, bit for bit (tests/test_sharding.py).
+    """
+    update = jax.jit(update, inline=True)  # traced once, for the metrics' shapes and for the loop
+
+    def one_update(index: jax.Array, carry: tuple[TrainState, UpdateMetrics]) -> tuple[TrainState, UpdateMetrics]:
+        state, stacked = carry
+        state, metrics = update(state, hyperparams)
+        return state, jax.tree.map(lambda column, value: column.at[index].set(value), stacked, metrics)
+
+    shapes = jax.eval_shape(update, state, hyperparams)[1]
+    stacked = jax.tree.map(lambda shape: jnp.zeros((capacity, *shape.shape), shape.dtype), shapes)
+    return jax.lax.fori_loop(0, num_updates, one_update, (state, stacked))
 
 
 @struct.dataclass
@@ -108,18 +129,28 @@ class Experiment:
         return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
                             jax.eval_shape(self.init_state))
 
-    def learn_fn(self, num_updates: int) -> Callable[[TrainState], tuple[TrainState, UpdateMetrics, jax.Array]]:
-        """`num_updates` updates in one jitted call: the new state, the metrics (leaves
-        [num_shards, num_updates]) and whether every parameter is finite afterwards
-        ([num_shards] bools, checked in the same program to spare the host loop a call)."""
+    def learn_fn(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
+        """`(state, num_updates)`: up to `updates_per_chunk` updates in one jitted call, as
+        many as `num_updates` says (`update_count`). Returns the new state, the metrics
+        (leaves [num_shards, updates_per_chunk], see `run_updates`) and whether every
+        parameter is finite afterwards ([num_shards] bools, checked in the same program to
+        spare the host loop a call)."""
         update = make_update(self.env, self.network, self.settings)
-        hyperparams = self.hyperparams
+        hyperparams, capacity = self.hyperparams, self.topology.updates_per_chunk
 
-        def learn(state: TrainState) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            state, metrics = jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=num_updates)
+        def learn(state: TrainState, num_updates: jax.Array) -> tuple[TrainState, UpdateMetrics, jax.Array]:
+            state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
             return state, metrics, all_finite(state.params)
 
-        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,))
+        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(1,))
+
+    def update_count(self, num_updates: int) -> jax.Array:
+        """The `num_updates` argument of `learn_fn()`'s program."""
+        return sharding.shared_array(self.mesh, np.int32(num_updates))
+
+    def abstract_update_count(self) -> jax.ShapeDtypeStruct:
+        """The shape, dtype and placement of `update_count(...)`: for lowering `learn_fn()`."""
+        return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(self.mesh))
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
         """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf [num_shards].
@@ -307,21 +338,6 @@ def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: 
         update = boundary
 
 
-def chunk_sizes_needed(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> set[int]:
-    """The distinct sizes of `chunk_plan(...)`, without walking a long run chunk by chunk.
-
-    The cuts repeat with period lcm(updates_per_chunk, checkpoint_every), so the sizes
-    are those before the first period boundary, within one period, and after the last.
-    """
-    period = math.lcm(updates_per_chunk, checkpoint_every) if checkpoint_every else updates_per_chunk
-    first_boundary = min(stop, -(-start // period) * period)
-    last_boundary = max(first_boundary, stop // period * period)
-    sizes = set(chunk_plan(start, first_boundary, updates_per_chunk, checkpoint_every))
-    if last_boundary > first_boundary:
-        sizes |= set(chunk_plan(0, period, updates_per_chunk, checkpoint_every))
-    return sizes | set(chunk_plan(last_boundary, stop, updates_per_chunk, checkpoint_every))
-
-
 def process_label() -> str:
     return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
 
@@ -359,23 +375,23 @@ def compile_concurrently(lowered: Mapping[Any, Any],
 
 @dataclass(frozen=True)
 class Programs:
-    """Everything a run executes, compiled: the initialisation, one learn call per chunk
-    size and the periodic evaluation (None when `eval.every_updates` is 0)."""
+    """Everything a run executes, compiled: the initialisation, the chunk of updates
+    (`Experiment.learn_fn`, one program for chunks of every length) and the periodic
+    evaluation (None when `eval.every_updates` is 0)."""
 
     init: Callable[[ShardInputs], TrainState]
-    chunks: dict[int, Any]
+    learn: Callable[[TrainState, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     periodic_eval: Optional[PeriodicEval]
 
 
-def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Programs:
+def compile_programs(experiment: Experiment) -> Programs:
     """Lower every program of a run from the state's shapes alone (the initialisation's
     outputs), then compile them concurrently; the initialisation runs once, and
     compiles with `sharding.run_once_compiler_options`."""
     inputs = experiment.shard_inputs()
     init = experiment.init_fn().lower(inputs)
     state = init.out_info
-    lowered: dict[Any, Any] = {"init": init}
-    lowered.update({size: experiment.learn_fn(size).lower(state) for size in sorted(chunk_sizes)})
+    lowered: dict[str, Any] = {"init": init, "learn": experiment.learn_fn().lower(state, experiment.abstract_update_count())}
     every_updates = experiment.config.eval.every_updates
     if every_updates:
         lowered["eval"] = experiment.eval_fn().lower(
@@ -384,8 +400,8 @@ def compile_programs(experiment: Experiment, chunk_sizes: Iterable[int]) -> Prog
     compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(experiment.mesh)})
     periodic_eval = None
     if every_updates:
-        periodic_eval = PeriodicEval(every_updates, compiled.pop("eval"), inputs)
-    return Programs(init=compiled.pop("init"), chunks=compiled, periodic_eval=periodic_eval)
+        periodic_eval = PeriodicEval(every_updates, compiled["eval"], inputs)
+    return Programs(init=compiled["init"], learn=compiled["learn"], periodic_eval=periodic_eval)
 
 
 @dataclass(frozen=True)
@@ -408,8 +424,9 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
-        state, metrics, params_finite = programs.chunks[size](state)
+        state, metrics, params_finite = programs.learn(state, experiment.update_count(size))
         metrics, params_finite = sharding.first_shard((metrics, params_finite))  # blocks until the chunk is done
+        metrics = jax.tree.map(lambda column: column[:size], metrics)
         chunk_seconds = time.perf_counter() - chunk_start
         first_update = counters.update
         chunk_return = chunk_episode_return(metrics)
@@ -549,9 +566,7 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
     topology, is_writer = experiment.topology, jax.process_index() == 0
     compile_start = time.perf_counter()
     stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
-    cadence = (topology.updates_per_chunk, config.checkpoint.every_updates)
-    expected_start = min(checkpointer.latest_step() or 0, stop_update) if resume else 0
-    programs = compile_programs(experiment, chunk_sizes_needed(expected_start, stop_update, *cadence))
+    programs = compile_programs(experiment)
     state = programs.init(experiment.shard_inputs())
     counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
     restored_update = None
@@ -560,13 +575,7 @@ def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progr
         restored_update = counters.update if counters.update else None
         if is_writer:
             write_config(run_dir, config)  # with the resume's overrides, once they proved valid
-        missing = chunk_sizes_needed(counters.update, stop_update, *cadence) - set(programs.chunks)
-        if missing:  # the newest checkpoint was unreadable: an older one sets the chunk plan
-            abstract = experiment.abstract_state()
-            programs.chunks.update(
-                compile_concurrently({size: experiment.learn_fn(size).lower(abstract) for size in missing})
-            )
-    plan = (counters.update, stop_update, *cadence)
+    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 

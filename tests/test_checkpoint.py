@@ -25,7 +25,7 @@ from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
 from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
-from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, chunk_sizes_needed, run
+from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,14 +70,6 @@ def test_chunk_plan_cuts_at_chunks_checkpoints_and_the_stop():
     assert list(chunk_plan(0, 12, 4, 6)) == [4, 2, 2, 4]
     assert list(chunk_plan(6, 12, 4, 4)) == [2, 4]
     assert list(chunk_plan(12, 12, 4, 4)) == []
-
-
-@pytest.mark.parametrize("start,stop,per_chunk,every", [
-    (0, 1000, 16, 128), (0, 1000, 16, 100), (37, 1000, 16, 100), (5, 7, 16, 100), (0, 999, 7, 0),
-    (3, 3, 4, 4), (0, 977, 16, 1), (250, 260, 16, 12),
-])
-def test_chunk_sizes_needed_equals_the_plans_distinct_sizes(start, stop, per_chunk, every):
-    assert chunk_sizes_needed(start, stop, per_chunk, every) == set(chunk_plan(start, stop, per_chunk, every))
 
 
 def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
@@ -213,14 +205,14 @@ def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_pat
 
 def test_chunk_reports_whether_its_parameters_are_finite():
     experiment = build(small_config(Path("unused")), devices=jax.devices()[:2])
-    learn = experiment.learn_fn(1)
-    _, _, finite = learn(experiment.init_state())
+    learn, one = experiment.learn_fn(), experiment.update_count(1)
+    _, _, finite = learn(experiment.init_state(), one)
     assert np.asarray(finite).tolist() == [True] * 4
     state = experiment.init_state()
     first_leaf = jax.tree.leaves(state.params)[0]
     poisoned = state.replace(params=jax.tree.map(
         lambda leaf: leaf.at[2].set(np.inf) if leaf is first_leaf else leaf, state.params))
-    _, _, finite = learn(poisoned)
+    _, _, finite = learn(poisoned, one)
     assert not np.asarray(finite).any()
 
 
@@ -229,11 +221,11 @@ def test_non_finite_parameters_stop_the_run_naming_the_update(tmp_path, monkeypa
     then stops on the chunk's own finiteness flag (forced false here)."""
     learn_fn = Experiment.learn_fn
 
-    def learn_fn_reporting_non_finite(self, num_updates):
-        learn = learn_fn(self, num_updates)
+    def learn_fn_reporting_non_finite(self):
+        learn = learn_fn(self)
 
-        def learn_then_report_non_finite(state):
-            state, metrics, finite = learn(state)
+        def learn_then_report_non_finite(state, num_updates):
+            state, metrics, finite = learn(state, num_updates)
             return state, metrics, jnp.zeros_like(finite)
 
         return jax.jit(learn_then_report_non_finite)

@@ -199,9 +199,9 @@ def test_training_keeps_global_statistics_in_the_state():
         "train": {"num_shards": 4, "total_env_steps": 8 * 8 * 2, "updates_per_chunk": 1},
     })
     experiment = build(config, jax.devices())
-    learn = experiment.learn_fn(1)
-    state, _, _ = learn(experiment.init_state())
-    state, _, _ = learn(state)
+    learn, one = experiment.learn_fn(), experiment.update_count(1)
+    state, _, _ = learn(experiment.init_state(), one)
+    state, _, _ = learn(state, one)
     assert learn._cache_size() == 1, "the second chunk recompiled"
     moments = sharding.all_shards((state.obs_moments, state.return_moments))
     assert np.all(moments[0].count == 2 * 8 * 8) and np.all(moments[1].count == 2 * 8 * 8)

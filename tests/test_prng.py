@@ -6,7 +6,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.extend.random import threefry2x32_p
 
 from jaxddppo import prng
 
@@ -53,3 +55,15 @@ def test_installed_lowering_has_no_loop():
     prng.install()
     text = jax.jit(lambda key: jax.random.uniform(key, (4,))).lower(jax.random.key(0)).compile().as_text()
     assert " while(" not in text
+
+
+def test_installed_lowering_broadcasts_operands_like_numpy():
+    """JAX's callers pass operands of one shape, but the primitive allows broadcasting (a
+    scalar, size-1 dimensions): the lowering must broadcast as NumPy does."""
+    prng.install()
+    words = np.arange(1, 21, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    operands = (words[0], words[1:4].reshape(3, 1), words[4:8].reshape(1, 4), words[8:20].reshape(3, 4))
+    hashed = jax.jit(lambda *operands: threefry2x32_p.bind(*operands))(*operands)
+    expected = prng.threefry2x32_unrolled(*np.broadcast_arrays(*operands))
+    for got, want in zip(hashed, expected):
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -24,7 +24,7 @@ from jaxddppo import sharding, train
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.ppo import Batch, PPOHyperparams, normalize_minibatch_advantages, shard_gradients
+from jaxddppo.ppo import Batch, PPOHyperparams, make_update, normalize_minibatch_advantages, shard_gradients
 from jaxddppo.train import build, run
 
 # Same maths, different reduction order (per-shard means, then the all-reduce):
@@ -122,9 +122,9 @@ def runs_by_device_count():
     for num_devices in (1, 2, 4):
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
-        learn = experiment.learn_fn(3)
-        state, _, _ = learn(state)
-        state, metrics, _ = learn(state)
+        learn, three = experiment.learn_fn(), experiment.update_count(3)
+        state, _, _ = learn(state, three)
+        state, metrics, _ = learn(state, three)
         results[num_devices] = (experiment, state, metrics, learn)
     return results
 
@@ -160,6 +160,30 @@ def test_params_leave_their_initial_values(runs_by_device_count):
     experiment, state, _, _ = runs_by_device_count[1]
     initial = experiment.init_state()
     assert relative_l2(sharding.first_shard(state.params), sharding.first_shard(initial.params)) > 1e-4
+
+
+def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_device_count):
+    """Chunks of 2 then 1 update through the program built for 3 (compiled once) end in the
+    state a `lax.scan` of the 3 updates reaches, bit for bit; the metrics past a chunk's
+    last update are zeros."""
+    experiment, _, _, _ = runs_by_device_count[2]
+    update = make_update(experiment.env, experiment.network, experiment.settings)
+
+    def scan_updates(state):
+        return jax.lax.scan(lambda s, _: update(s, experiment.hyperparams), state, length=3)
+
+    scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state())
+    learn = experiment.learn_fn()
+    state, first_metrics, _ = learn(experiment.init_state(), experiment.update_count(2))
+    state, second_metrics, _ = learn(state, experiment.update_count(1))
+    assert learn._cache_size() == 1
+    for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
+        np.testing.assert_array_equal(got, want)
+    first, second, reference = (sharding.first_shard(metrics) for metrics in (first_metrics, second_metrics, scan_metrics))
+    for name in ("policy_loss", "value_loss", "grad_norm", "learning_rate"):
+        np.testing.assert_array_equal(getattr(first, name)[:2], getattr(reference, name)[:2])
+        np.testing.assert_array_equal(getattr(second, name)[:1], getattr(reference, name)[2:])
+        assert getattr(first, name)[2] == 0 and np.all(getattr(second, name)[1:] == 0)
 
 
 def test_topology_sizes():
@@ -225,7 +249,7 @@ def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
     experiment = build(from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
                                   "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
     with pytest.raises(Exception, match="NO_SUCH_PRESET"):
-        train.compile_programs(experiment, [1])
+        train.compile_programs(experiment)
 
 
 # --- run.cpu_threads -------------------------------------------------------------------------------
@@ -300,7 +324,7 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
         init = experiment.init_fn().lower(inputs)
         state = init.out_info
         evaluate = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
-        return init, evaluate, experiment.learn_fn(1).lower(state)
+        return init, evaluate, experiment.learn_fn().lower(state, experiment.abstract_update_count())
 
     first, other = experiment_with_seed(0), experiment_with_seed(5)
     first_programs = lowered_programs(first)
