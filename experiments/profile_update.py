@@ -65,7 +65,7 @@ def main() -> None:
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
-    lowered = experiment.learn_fn().lower(experiment.abstract_state(), experiment.abstract_update_count())
+    lowered = experiment.learn_fn().lower(experiment.abstract_state(), train.abstract_update_count(experiment.mesh))
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
     chunk = lowered.compile()
@@ -74,7 +74,7 @@ def main() -> None:
     print(f"build {build_seconds:.2f} s, trace+lower {lower_seconds:.2f} s, XLA compile {compile_seconds:.2f} s; "
           f"{loops} while loops in the optimised program")
 
-    state, full_chunk = experiment.init_state(), experiment.update_count(size)
+    state, full_chunk = experiment.init_state(), train.update_count(experiment.mesh, size)
     seconds = []
     for _ in range(args.chunks):
         start = time.perf_counter()

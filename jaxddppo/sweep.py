@@ -54,6 +54,7 @@ from jaxddppo.ppo import (
     make_update,
 )
 from jaxddppo.train import (
+    abstract_update_count,
     chunk_episode_return,
     chunk_plan,
     claim_run_dir,
@@ -61,6 +62,7 @@ from jaxddppo.train import (
     metrics_rows,
     process_label,
     run_updates,
+    update_count,
 )
 
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
@@ -227,7 +229,7 @@ class Population:
 
     def learn_fn(self) -> Callable[[TrainState, MemberInputs, jax.Array], tuple[TrainState, UpdateMetrics]]:
         """`(state, inputs, num_updates)`: up to `updates_per_chunk` updates of every member in
-        one call, as many as `num_updates` says (`update_count`); metrics leaves [members,
+        one call, as many as `num_updates` says (`train.update_count`); metrics leaves [members,
         shards, updates_per_chunk], zeros after the last update (`train.run_updates`)."""
         update = make_update(self.env, self.network, self.settings)
         capacity = self.topology.updates_per_chunk
@@ -236,10 +238,6 @@ class Population:
             return run_updates(update, shard.hyperparams, state, num_updates, capacity)
 
         return sharding.population_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
-
-    def update_count(self, num_updates: int) -> jax.Array:
-        """The `num_updates` argument of `learn_fn()`'s program."""
-        return sharding.shared_array(self.mesh, np.int32(num_updates))
 
     def evaluate(self, state: TrainState, inputs: MemberInputs) -> EvalResult:
         """Every member's final deterministic evaluation, as a single run does it: host [members, episodes]."""
@@ -295,7 +293,7 @@ def train_chunks(population: Population, state: TrainState, inputs: MemberInputs
     curves = []
     for size in chunk_plan(0, topology.num_updates, topology.updates_per_chunk, 0):
         chunk_start = time.perf_counter()
-        state, metrics = learn(state, inputs, population.update_count(size))
+        state, metrics = learn(state, inputs, update_count(population.mesh, size))
         metrics = sharding.member_first_shards(metrics)  # blocks until the chunk is done
         metrics = jax.tree.map(lambda column: column[:, :size], metrics)
         chunk_seconds = time.perf_counter() - chunk_start
@@ -512,8 +510,8 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     inputs = population.inputs()
     params = population.initial_params()
     init = population.init_fn().lower(inputs, params)
-    count = jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(population.mesh))
-    lowered = {"init": init, "learn": population.learn_fn().lower(init.out_info, inputs, count)}
+    learn = population.learn_fn().lower(init.out_info, inputs, abstract_update_count(population.mesh))
+    lowered = {"init": init, "learn": learn}
     compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(population.mesh)})
     state = compiled["init"](inputs, params)
     jax.block_until_ready(state)

@@ -78,6 +78,16 @@ def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetr
     return jax.lax.fori_loop(0, num_updates, one_update, (state, stacked))
 
 
+def update_count(mesh: jax.sharding.Mesh, num_updates: int) -> jax.Array:
+    """The `num_updates` argument of `run_updates`, replicated on every device of `mesh`."""
+    return sharding.shared_array(mesh, np.int32(num_updates))
+
+
+def abstract_update_count(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and placement of `update_count(mesh, ...)`, for lowering."""
+    return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(mesh))
+
+
 @struct.dataclass
 class ShardInputs:
     """Each shard's traced inputs to the initialisation and the evaluation, leaves
@@ -131,7 +141,7 @@ class Experiment:
 
     def learn_fn(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
         """`(state, num_updates)`: up to `updates_per_chunk` updates in one jitted call, as
-        many as `num_updates` says (`update_count`). Returns the new state, the metrics
+        many as `num_updates` says (`update_count(mesh, n)`). Returns the new state, the metrics
         (leaves [num_shards, updates_per_chunk], see `run_updates`) and whether every
         parameter is finite afterwards ([num_shards] bools, checked in the same program to
         spare the host loop a call)."""
@@ -143,14 +153,6 @@ class Experiment:
             return state, metrics, all_finite(state.params)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(1,))
-
-    def update_count(self, num_updates: int) -> jax.Array:
-        """The `num_updates` argument of `learn_fn()`'s program."""
-        return sharding.shared_array(self.mesh, np.int32(num_updates))
-
-    def abstract_update_count(self) -> jax.ShapeDtypeStruct:
-        """The shape, dtype and placement of `update_count(...)`: for lowering `learn_fn()`."""
-        return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(self.mesh))
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
         """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf [num_shards].
@@ -391,7 +393,8 @@ def compile_programs(experiment: Experiment) -> Programs:
     inputs = experiment.shard_inputs()
     init = experiment.init_fn().lower(inputs)
     state = init.out_info
-    lowered: dict[str, Any] = {"init": init, "learn": experiment.learn_fn().lower(state, experiment.abstract_update_count())}
+    learn = experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))
+    lowered: dict[str, Any] = {"init": init, "learn": learn}
     every_updates = experiment.config.eval.every_updates
     if every_updates:
         lowered["eval"] = experiment.eval_fn().lower(
@@ -424,7 +427,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
-        state, metrics, params_finite = programs.learn(state, experiment.update_count(size))
+        state, metrics, params_finite = programs.learn(state, update_count(experiment.mesh, size))
         metrics, params_finite = sharding.first_shard((metrics, params_finite))  # blocks until the chunk is done
         metrics = jax.tree.map(lambda column: column[:size], metrics)
         chunk_seconds = time.perf_counter() - chunk_start

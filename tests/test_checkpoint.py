@@ -25,7 +25,7 @@ from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
 from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
-from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, run
+from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, run, update_count
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,7 +205,7 @@ def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_pat
 
 def test_chunk_reports_whether_its_parameters_are_finite():
     experiment = build(small_config(Path("unused")), devices=jax.devices()[:2])
-    learn, one = experiment.learn_fn(), experiment.update_count(1)
+    learn, one = experiment.learn_fn(), update_count(experiment.mesh, 1)
     _, _, finite = learn(experiment.init_state(), one)
     assert np.asarray(finite).tolist() == [True] * 4
     state = experiment.init_state()

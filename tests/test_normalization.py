@@ -32,7 +32,7 @@ from jaxddppo.normalization import (
 )
 from jaxddppo.ppo import scale_rollout_rewards
 from jaxddppo.rollout import RolloutState, collect_rollout
-from jaxddppo.train import build
+from jaxddppo.train import build, update_count
 
 NUM_SHARDS, NUM_ENVS, NUM_STEPS, NUM_ROLLOUTS, GAMMA = 4, 3, 24, 2, 0.9
 
@@ -199,7 +199,7 @@ def test_training_keeps_global_statistics_in_the_state():
         "train": {"num_shards": 4, "total_env_steps": 8 * 8 * 2, "updates_per_chunk": 1},
     })
     experiment = build(config, jax.devices())
-    learn, one = experiment.learn_fn(), experiment.update_count(1)
+    learn, one = experiment.learn_fn(), update_count(experiment.mesh, 1)
     state, _, _ = learn(experiment.init_state(), one)
     state, _, _ = learn(state, one)
     assert learn._cache_size() == 1, "the second chunk recompiled"

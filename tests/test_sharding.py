@@ -122,7 +122,7 @@ def runs_by_device_count():
     for num_devices in (1, 2, 4):
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
-        learn, three = experiment.learn_fn(), experiment.update_count(3)
+        learn, three = experiment.learn_fn(), train.update_count(experiment.mesh, 3)
         state, _, _ = learn(state, three)
         state, metrics, _ = learn(state, three)
         results[num_devices] = (experiment, state, metrics, learn)
@@ -174,8 +174,8 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
 
     scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state())
     learn = experiment.learn_fn()
-    state, first_metrics, _ = learn(experiment.init_state(), experiment.update_count(2))
-    state, second_metrics, _ = learn(state, experiment.update_count(1))
+    state, first_metrics, _ = learn(experiment.init_state(), train.update_count(experiment.mesh, 2))
+    state, second_metrics, _ = learn(state, train.update_count(experiment.mesh, 1))
     assert learn._cache_size() == 1
     for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -324,7 +324,7 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
         init = experiment.init_fn().lower(inputs)
         state = init.out_info
         evaluate = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
-        return init, evaluate, experiment.learn_fn().lower(state, experiment.abstract_update_count())
+        return init, evaluate, experiment.learn_fn().lower(state, train.abstract_update_count(experiment.mesh))
 
     first, other = experiment_with_seed(0), experiment_with_seed(5)
     first_programs = lowered_programs(first)
