@@ -189,8 +189,6 @@ def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
     """`jax.vmap(function)` over the leading axis of every argument but those at `shared_argnums`."""
-    if not shared_argnums:
-        return jax.vmap(function, axis_name=axis_name)
 
     def mapped(*args: Any) -> Any:
         in_axes = tuple(None if index in shared_argnums else 0 for index in range(len(args)))
@@ -205,9 +203,6 @@ def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
     # P() for some outputs, and feeding them back in would recompile.
     out_shardings = NamedSharding(mesh, spec)
-    if not shared_argnums:
-        mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        return jax.jit(mapped, out_shardings=out_shardings, donate_argnums=donate_argnums)
 
     def over_mesh(*args: Any) -> Any:
         in_specs = tuple(PartitionSpec() if index in shared_argnums else spec for index in range(len(args)))
