@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxddppo import prng
 from jaxddppo.acting import policy_step, prepare_observations
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
@@ -245,7 +246,7 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 
 def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, envs per minibatch]: a fresh permutation of the envs per epoch."""
-    permutations = jax.vmap(lambda k: jax.random.permutation(k, settings.num_envs))(
+    permutations = jax.vmap(lambda k: prng.permutation(k, settings.num_envs))(
         jax.random.split(key, settings.num_epochs)
     )
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
@@ -266,7 +267,7 @@ def sequence_advantages(advantages: jax.Array, env_indices: jax.Array, normalize
 def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
     num_samples = settings.num_minibatches * settings.minibatch_size
-    permutations = jax.vmap(lambda k: jax.random.permutation(k, num_samples))(
+    permutations = jax.vmap(lambda k: prng.permutation(k, num_samples))(
         jax.random.split(key, settings.num_epochs)
     )
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, settings.minibatch_size)

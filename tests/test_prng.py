@@ -67,3 +67,44 @@ def test_installed_lowering_broadcasts_operands_like_numpy():
     expected = prng.threefry2x32_unrolled(*np.broadcast_arrays(*operands))
     for got, want in zip(hashed, expected):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# 512 and 65,536 are the small and large configs' batches; past 1,625 JAX sorts twice.
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 512, 1625, 1626, 65536])
+def test_permutation_equals_jax_permutation(n):
+    for seed in range(3):
+        key = jax.random.key(seed)
+        expected = np.asarray(jax.random.permutation(key, n))
+        jitted = jax.jit(prng.permutation, static_argnums=1)(key, n)
+        assert jitted.dtype == expected.dtype
+        np.testing.assert_array_equal(np.asarray(jitted), expected)
+        np.testing.assert_array_equal(np.asarray(prng.permutation(key, n)), expected)  # eager
+
+
+def test_permutation_under_vmap_as_the_epochs_draw_it():
+    keys = jax.random.split(jax.random.key(7), 6).reshape(2, 3)
+    expected = jax.vmap(jax.vmap(lambda key: jax.random.permutation(key, 300)))(keys)
+    got = jax.jit(jax.vmap(jax.vmap(lambda key: prng.permutation(key, 300))))(keys)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_stable_argsort_keeps_ties_in_order_like_numpy():
+    rng = np.random.default_rng(0)
+    sort_keys = np.concatenate([
+        rng.integers(0, 4, size=(3, 50)),  # many ties
+        rng.integers(2**32 - 3, 2**32, size=(1, 50)),  # the top of the uint32 range
+    ]).astype(np.uint32)
+    expected = np.argsort(sort_keys, axis=-1, kind="stable")
+    np.testing.assert_array_equal(np.asarray(jax.jit(prng.stable_argsort)(sort_keys)), expected)
+    np.testing.assert_array_equal(np.asarray(prng.stable_argsort(sort_keys)), expected)
+    # vmapped over the last axis: the batching rule moves it out of the way of the sort
+    batched = jax.jit(jax.vmap(prng.stable_argsort, in_axes=1))(sort_keys.T)
+    np.testing.assert_array_equal(np.asarray(batched), expected)
+
+
+def test_stable_argsort_on_cpu_sorts_one_array():
+    """The CPU program sorts a single array of 64-bit integers (XLA's direct `std::sort`),
+    not keys with a second array carried along."""
+    text = jax.jit(prng.stable_argsort).lower(np.zeros((4, 512), np.uint32)).compile().as_text()
+    sorts = [line for line in text.splitlines() if " sort(" in line]
+    assert len(sorts) == 1 and sorts[0].split("=")[1].strip().startswith("u64[4,512]")
