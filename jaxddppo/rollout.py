@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -86,15 +87,59 @@ def collect_rollout(
             next_state = next_state.replace(carry=policy_carry, episode_start=done)
         return next_state, (transition, ended)
 
-    state, (transitions, (returns, lengths, ended)) = jax.lax.scan(
-        step, state, step_keys(key, num_steps, state.obs.shape[0])
+    pack, unpack = carried_as_one_array_per_dtype(state)
+
+    def packed_step(packed: tuple[jax.Array, ...], keys: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, ...], Any]:
+        next_state, outputs = step(unpack(packed), keys)
+        return pack(next_state), outputs
+
+    packed, (transitions, (returns, lengths, ended)) = jax.lax.scan(
+        packed_step, pack(state), step_keys(key, num_steps, state.obs.shape[0])
     )
+    state = unpack(packed)
     stats = EpisodeStats(
         return_sum=returns.sum(),
         length_sum=lengths.sum().astype(jnp.float32),
         count=ended.sum().astype(jnp.float32),
     )
     return state, transitions, stats
+
+
+def carried_as_one_array_per_dtype(
+    example: Any,
+) -> tuple[Callable[[Any], tuple[jax.Array, ...]], Callable[[tuple[jax.Array, ...]], Any]]:
+    """(pack, unpack) between pytrees shaped like `example`, whose leaves are [B, ...], and
+    a tuple of [B, n] arrays, one per dtype (leaves flattened and side by side).
+
+    XLA copies every array a loop carries at the start of each iteration where the
+    step still reads the old value after computing the new one: on CartPole that was
+    nine copies of [4]-element arrays per rollout step, each a separate operation.
+    Carried as one array per dtype (float, int), the state costs two copies; the
+    slices and the concatenation fuse into the operations around them.
+    """
+    leaves, treedef = jax.tree.flatten(example)
+    batch = leaves[0].shape[0]
+    shapes = [leaf.shape for leaf in leaves]
+    groups: dict[Any, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        groups.setdefault(jnp.dtype(leaf.dtype), []).append(index)
+
+    def pack(tree: Any) -> tuple[jax.Array, ...]:
+        flat = jax.tree.leaves(tree)
+        return tuple(jnp.concatenate([flat[i].reshape(batch, -1) for i in indices], axis=1)
+                     for indices in groups.values())
+
+    def unpack(packed: tuple[jax.Array, ...]) -> Any:
+        flat: list[Any] = [None] * len(shapes)
+        for array, indices in zip(packed, groups.values()):
+            offset = 0
+            for i in indices:
+                width = math.prod(shapes[i][1:])
+                flat[i] = array[:, offset:offset + width].reshape(shapes[i])
+                offset += width
+        return jax.tree.unflatten(treedef, flat)
+
+    return pack, unpack
 
 
 def step_keys(key: jax.Array, num_steps: int, num_envs: int) -> tuple[jax.Array, jax.Array]:
