@@ -101,10 +101,10 @@ def _dense_product_backward(
     residuals: tuple[jax.Array, jax.Array], output_grad: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel's gradient inputs^T @ output_grad sums over the samples, the first axis
-    of both operands. XLA's CPU backend hands such a product to Eigen, about 2.5 x slower
-    here than the YNNPACK kernels it uses when the left operand is laid out [in, samples];
-    on CPU the inputs are transposed into that layout first, behind an optimisation barrier
-    that keeps XLA from folding the transpose back into the product."""
+    of both operands. XLA's CPU backend hands such a product to Eigen, slower here than
+    the YNNPACK kernels it uses when the left operand is laid out [in, samples]
+    (docs/benchmarks.md); on CPU the inputs are transposed into that layout first, behind
+    an optimisation barrier that keeps XLA from folding the transpose back into the product."""
     inputs, kernel = residuals
     inputs_grad = jax.lax.dot_general(output_grad, kernel, (((output_grad.ndim - 1,), (1,)), ((), ())))
     samples = inputs.reshape(-1, inputs.shape[-1])

@@ -115,8 +115,8 @@ def permutation(key: jax.Array, n: int) -> jax.Array:
     JAX sorts arange(n) by fresh random 32-bit keys (stably), in as many rounds as
     collisions make necessary. The sort that carries a second array along is slow
     on CPU: XLA calls a compiled comparator for every comparison and moves the
-    pairs element by element (about 190 us for the small config's four epochs of 512
-    samples). `stable_argsort` sorts one array of plain integers instead.
+    pairs element by element (170-260 us for the small config's four epochs of 512
+    samples, against 15 us for one array). `stable_argsort` sorts one array of plain integers instead.
     """
     num_rounds = int(np.ceil(3 * np.log(max(1, n)) / np.log(np.iinfo(np.uint32).max)))
     order = jnp.arange(n)

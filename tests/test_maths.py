@@ -21,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import make_env
-from jaxddppo.config import NetworkConfig
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic
 from jaxddppo.ppo import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.rollout import gae
