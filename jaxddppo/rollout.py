@@ -115,7 +115,9 @@ def carried_as_one_array_per_dtype(
     step still reads the old value after computing the new one: on CartPole that was
     nine copies of [4]-element arrays per rollout step, each a separate operation.
     Carried as one array per dtype (float, int), the state costs about three; the
-    slices and the concatenation fuse into the operations around them.
+    slices and the concatenation fuse into the operations around them. Unpacked
+    leaves are strongly typed whatever `example`'s were (`envs.BatchedEnv.reset`
+    hands out a strongly typed state for that reason).
     """
     leaves, treedef = jax.tree.flatten(example)
     batch = leaves[0].shape[0]
