@@ -59,6 +59,7 @@ from jaxddppo.train import (
     chunk_plan,
     claim_run_dir,
     compile_concurrently,
+    cyclic_collection_deferred,
     metrics_rows,
     process_label,
     run_updates,
@@ -509,8 +510,9 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     compile_start = time.perf_counter()
     inputs = population.inputs()
     params = population.initial_params()
-    init = population.init_fn().lower(inputs, params)
-    learn = population.learn_fn().lower(init.out_info, inputs, abstract_update_count(population.mesh))
+    with cyclic_collection_deferred():
+        init = population.init_fn().lower(inputs, params)
+        learn = population.learn_fn().lower(init.out_info, inputs, abstract_update_count(population.mesh))
     lowered = {"init": init, "learn": learn}
     compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(population.mesh)})
     state = compiled["init"](inputs, params)

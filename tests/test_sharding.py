@@ -9,6 +9,7 @@
   seed is an argument of the programs, so every seed shares them.
 """
 
+import gc
 import json
 import subprocess
 import sys
@@ -250,6 +251,47 @@ def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
                                   "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
     with pytest.raises(Exception, match="NO_SUCH_PRESET"):
         train.compile_programs(experiment)
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_cyclic_collection_is_paused_in_the_block_and_restored_after(enabled_before):
+    """Inside the block the collector is off; after it, on success or on an error, it is
+    as it was before (a caller who had switched it off keeps it off)."""
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with train.cyclic_collection_deferred():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled_before
+        with pytest.raises(ValueError):
+            with train.cyclic_collection_deferred():
+                raise ValueError("lowering failed")
+        assert gc.isenabled() == enabled_before
+    finally:
+        gc.enable()
+
+
+def test_programs_are_lowered_with_the_collector_paused(monkeypatch):
+    """compile_programs traces the chunk of updates with Python's cyclic collector off and
+    switches it back on before returning."""
+    seen = []
+    real_learn_fn = train.Experiment.learn_fn
+
+    def learn_fn(self):
+        learn = real_learn_fn(self)
+
+        def traced(*args):
+            seen.append(gc.isenabled())
+            return learn(*args)
+
+        return jax.jit(traced, donate_argnums=(0,))
+
+    monkeypatch.setattr(train.Experiment, "learn_fn", learn_fn)
+    experiment = build(from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
+                                  "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
+    gc.enable()
+    train.compile_programs(experiment)
+    assert seen == [False]
+    assert gc.isenabled()
 
 
 # --- run.cpu_threads -------------------------------------------------------------------------------
