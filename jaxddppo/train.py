@@ -392,11 +392,12 @@ class Programs:
 def cyclic_collection_deferred() -> Iterator[None]:
     """Python's cyclic garbage collector paused inside the block (as it was, after).
 
-    Tracing and lowering allocate objects by the hundred thousand, and every automatic
-    collection of the oldest generation scans all of the process's objects, JAX's
-    included: on the CartPole config, lowering the initialisation and the chunk takes
-    0.82-0.98 s with collection paused against 1.04-1.30 s without. What the lowering
-    leaves behind is collected at the first collection after the block.
+    Tracing and lowering allocate objects by the hundred thousand, which triggers
+    automatic collections, those of the oldest generation scanning every object of the
+    process, JAX's included: on the CartPole config, lowering the initialisation and the
+    chunk took a median of 0.86 s with collection paused against 1.11 s without (10
+    processes each). What the lowering leaves behind is collected at the first
+    collection after the block.
     """
     was_enabled = gc.isenabled()
     gc.disable()
