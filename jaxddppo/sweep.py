@@ -58,8 +58,7 @@ from jaxddppo.train import (
     chunk_episode_return,
     chunk_plan,
     claim_run_dir,
-    compile_concurrently,
-    cyclic_collection_deferred,
+    lower_and_compile,
     metrics_rows,
     process_label,
     run_updates,
@@ -510,11 +509,10 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     compile_start = time.perf_counter()
     inputs = population.inputs()
     params = population.initial_params()
-    with cyclic_collection_deferred():
-        init = population.init_fn().lower(inputs, params)
-        learn = population.learn_fn().lower(init.out_info, inputs, abstract_update_count(population.mesh))
-    lowered = {"init": init, "learn": learn}
-    compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(population.mesh)})
+    compiled = lower_and_compile(
+        population.mesh, lambda: population.init_fn().lower(inputs, params),
+        lambda state: {"learn": population.learn_fn().lower(state, inputs, abstract_update_count(population.mesh))},
+    )
     state = compiled["init"](inputs, params)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start

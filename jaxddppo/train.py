@@ -408,22 +408,33 @@ def cyclic_collection_deferred() -> Iterator[None]:
             gc.enable()
 
 
+def lower_and_compile(mesh: jax.sharding.Mesh, lower_init: Callable[[], Any],
+                      lower_from_state: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """A run's programs, compiled, by name: "init" from `lower_init()`, and the others from
+    `lower_from_state(state)`, lowered from the initialisation's output shapes alone.
+    Lowering runs with the garbage collector paused (`cyclic_collection_deferred`); then
+    every program compiles concurrently, the initialisation, which runs once, with
+    `sharding.run_once_compiler_options`."""
+    with cyclic_collection_deferred():
+        init = lower_init()
+        lowered = {"init": init, **lower_from_state(init.out_info)}
+    return compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(mesh)})
+
+
 def compile_programs(experiment: Experiment) -> Programs:
-    """Lower every program of a run from the state's shapes alone (the initialisation's
-    outputs), then compile them concurrently; the initialisation runs once, and
-    compiles with `sharding.run_once_compiler_options`."""
+    """The run's initialisation, chunk of updates and, if asked, periodic evaluation, compiled."""
     inputs = experiment.shard_inputs()
     every_updates = experiment.config.eval.every_updates
-    with cyclic_collection_deferred():
-        init = experiment.init_fn().lower(inputs)
-        state = init.out_info
-        learn = experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))
-        lowered: dict[str, Any] = {"init": init, "learn": learn}
+
+    def lower_from_state(state: TrainState) -> dict[str, Any]:
+        lowered = {"learn": experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))}
         if every_updates:
             lowered["eval"] = experiment.eval_fn().lower(
                 state.params, state.obs_moments, state.update_index, inputs
             )
-    compiled = compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(experiment.mesh)})
+        return lowered
+
+    compiled = lower_and_compile(experiment.mesh, lambda: experiment.init_fn().lower(inputs), lower_from_state)
     periodic_eval = None
     if every_updates:
         periodic_eval = PeriodicEval(every_updates, compiled["eval"], inputs)
