@@ -115,8 +115,8 @@ class RunConfig:
     )
     cpu_devices: int = _opt(
         0, "JAX devices the CPU is split into, set (as jax_num_cpu_devices) before JAX starts its backend; "
-        "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count). A sweep uses every core "
-        "with one device per core (docs/sweeps.md); the CPU backend only"
+        "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count); python -m jaxddppo.sweep "
+        "then takes one device per core, as many as divide the member count (docs/sweeps.md). The CPU backend only"
     )
 
 

@@ -447,6 +447,30 @@ def set_cpu_devices(cpu_devices: int) -> Optional[str]:
     return None
 
 
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def cpu_device_count_decided(config: Config, environ: Mapping[str, str]) -> bool:
+    """Whether something other than JAX's default decides how many CPU devices this
+    process gets: `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run
+    (`distributed.*`), or a backend that has started already."""
+    distributed = config.distributed.coordinator is not None or config.distributed.auto
+    return (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
+            or xla_bridge.backends_are_initialized())
+
+
+def usable_cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_devices_per_core(num_members: int, num_cores: int) -> int:
+    """The most CPU devices, at most one per core, that `num_members` split over evenly."""
+    return max(devices for devices in range(1, min(num_members, num_cores) + 1) if num_members % devices == 0)
+
+
 def start_backend(config: Config) -> list[str]:
     """What a run or a sweep does before its first JAX computation: size the CPU thread
     pool (`set_cpu_threads`) and the CPU device count (`set_cpu_devices`), then join a

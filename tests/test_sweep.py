@@ -4,7 +4,8 @@
 - sweep.csv, metrics.jsonl and curves.png hold what the docs say.
 - Structural keys are refused with one line; placement is derived and validated.
 - `jaxddppo.train` / `jaxddppo.sweep` are callable, and `python -m` still works without warnings.
-- run.cpu_devices splits the CPU into devices for a sweep started from the command line.
+- run.cpu_devices splits the CPU into devices for a sweep started from the command line, and
+  the command takes one device per core when nothing else decides the device count.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import jax
 import numpy as np
@@ -24,7 +26,13 @@ from matplotlib import image
 import jaxddppo
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, from_dict, with_overrides
-from jaxddppo.sweep import SWEEP_CSV_FIELDS, expand_members, parse_args, split_overrides
+from jaxddppo.sweep import (
+    SWEEP_CSV_FIELDS,
+    expand_members,
+    parse_args,
+    split_overrides,
+    with_cpu_device_per_core,
+)
 from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -192,10 +200,17 @@ def test_impossible_placement_is_one_clear_error(members, shards, devices, membe
 # --- the command line and the Python API ------------------------------------------------------------
 
 
-def run_module(module: str, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+def run_module(module: str, args: list[str], cwd: Path, xla_flags: str = "--xla_force_host_platform_device_count=1",
+               cores: Optional[set[int]] = None) -> subprocess.CompletedProcess:
+    """`python -m module args` with `xla_flags` as XLA_FLAGS, pinned to `cores` if given."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, *args], cwd=cwd, env=env,
+    if cores is None:
+        command = ["-m", module]
+    else:
+        command = ["-c", f"import os, runpy; os.sched_setaffinity(0, {sorted(cores)}); "
+                         f"runpy.run_module('{module}', run_name='__main__', alter_sys=True)"]
+    return subprocess.run([sys.executable, "-W", "error::RuntimeWarning", *command, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -218,16 +233,70 @@ def test_cpu_devices_splits_the_cpu_for_the_command_line_sweep(sweep_result, tmp
     """`python -m jaxddppo.sweep ... run.cpu_devices=2` in a process where JAX would see
     one CPU device places the members on two, and learns bit for bit what the same sweep
     learns on two devices through the Python API."""
-    small = [f"{section}.{key}={value}" for section, values in SMALL.items() for key, value in values.items()]
-    result = run_module("jaxddppo.sweep", [*small, "run.cpu_devices=2", "--seeds", str(NUM_SEEDS),
-                                           f"ppo.learning_rate=[{','.join(map(str, LEARNING_RATES))}]",
-                                           f"run.dir={tmp_path / 'r'}"], tmp_path)
+    result = run_module("jaxddppo.sweep", [*sweep_command_args(tmp_path), "run.cpu_devices=2"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["member_devices"] * summary["shard_devices"] == 2
     with open(tmp_path / "r" / "sweep.csv") as handle:
         digests = [float(row["params_digest"]) for row in csv.DictReader(handle)]
     assert digests == [row["params_digest"] for row in sweep_result.members]
+
+
+def sweep_command_args(tmp_path: Path) -> list[str]:
+    """The command line of `sweep_result`'s sweep (2 learning rates x 2 seeds)."""
+    small = [f"{section}.{key}={value}" for section, values in SMALL.items() for key, value in values.items()]
+    return [*small, "--seeds", str(NUM_SEEDS), f"ppo.learning_rate=[{','.join(map(str, LEARNING_RATES))}]",
+            f"run.dir={tmp_path / 'r'}"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to pin the sweep to")
+def test_command_line_sweep_takes_one_cpu_device_per_core(sweep_result, tmp_path):
+    """With nothing deciding the device count, `python -m jaxddppo.sweep` on two cores
+    splits the CPU into two devices for its 4 members, says so, records it in config.yaml,
+    and learns bit for bit what the same sweep learns on two devices through the Python API."""
+    two_cores = set(sorted(os.sched_getaffinity(0))[:2])
+    result = run_module("jaxddppo.sweep", [*sweep_command_args(tmp_path), "run.progress=true"], tmp_path,
+                        xla_flags="", cores=two_cores)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "run.cpu_devices=2, one CPU device per core for 4 members" in result.stdout + result.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (summary["num_devices"], summary["member_devices"]) == (2, 2)
+    assert "cpu_devices: 2" in (tmp_path / "r" / "config.yaml").read_text()
+    with open(tmp_path / "r" / "sweep.csv") as handle:
+        digests = [float(row["params_digest"]) for row in csv.DictReader(handle)]
+    assert digests == [row["params_digest"] for row in sweep_result.members]
+
+
+@pytest.mark.parametrize("members, cores, expected", [
+    (32, 2, 2), (4, 2, 2), (3, 2, 1), (1, 8, 1), (12, 8, 6), (7, 4, 1), (8, 8, 8), (2, 64, 2), (5, 1, 1),
+])
+def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
+    assert sharding.cpu_devices_per_core(members, cores) == expected
+
+
+@pytest.mark.parametrize("overrides, xla_flags, expected", [
+    ({}, "", 2),
+    ({"run.cpu_devices": 1}, "", 1),  # the config decides
+    ({"run.cpu_devices": 4}, "", 4),
+    ({}, "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=1", 0),  # XLA_FLAGS decides
+    ({}, "--xla_cpu_enable_fast_math=false", 2),
+    ({"distributed.coordinator": "localhost:1234", "distributed.num_processes": 2, "distributed.process_id": 0},
+     "", 0),
+    ({"distributed.auto": True}, "", 0),
+])
+def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, xla_flags, expected):
+    monkeypatch.setattr(sharding.xla_bridge, "backends_are_initialized", lambda: False)
+    config = with_overrides(from_dict(SMALL), overrides)
+    chosen = with_cpu_device_per_core(config, 32, 2, {"XLA_FLAGS": xla_flags})
+    assert chosen.run.cpu_devices == expected
+    assert (chosen is config) == (expected == config.run.cpu_devices)
+
+
+def test_sweep_command_leaves_a_started_backend_alone():
+    config = from_dict(SMALL)
+    jax.devices()  # this process's backend has started
+    assert with_cpu_device_per_core(config, 32, 2, {}) is config
 
 
 @pytest.mark.parametrize("module", ["jaxddppo.train", "jaxddppo.sweep"])
