@@ -450,13 +450,15 @@ def set_cpu_devices(cpu_devices: int) -> Optional[str]:
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
-def cpu_device_count_decided(config: Config, environ: Mapping[str, str]) -> bool:
-    """Whether something other than JAX's default decides how many CPU devices this
-    process gets: `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run
-    (`distributed.*`), or a backend that has started already."""
+def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
+    """Whether this process will run on CPU devices whose count nothing has decided yet:
+    not `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run (`distributed.*`)
+    or a backend that has started already, and JAX_PLATFORMS, if set, names the CPU first."""
     distributed = config.distributed.coordinator is not None or config.distributed.auto
-    return (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
-            or xla_bridge.backends_are_initialized())
+    decided = (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
+               or xla_bridge.backends_are_initialized())
+    platform = (environ.get("JAX_PLATFORMS") or "cpu").split(",")[0].strip()
+    return not decided and platform == "cpu"
 
 
 def usable_cpu_cores() -> int:

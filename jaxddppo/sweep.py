@@ -570,13 +570,13 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
 def with_cpu_device_per_core(config: Config, num_members: int, num_cores: int,
                              environ: Mapping[str, str]) -> Config:
     """The sweep command's default for `run.cpu_devices`: one CPU device per core, as many
-    as divide the member count, unless something else decides the device count
-    (`sharding.cpu_device_count_decided`). Members never communicate, and on one device
+    as divide the member count, where nothing else decides the device count and JAX runs
+    on the CPU (`sharding.cpu_device_count_open`). Members never communicate, and on one device
     XLA's thread pool gains little from more cores for them (docs/sweeps.md: 32 seeds on
     2 cores, 1.9 x the steps/s over two devices). The Python API leaves the count alone:
     the devices of a process are fixed once JAX starts, and a training run in the same
     process would share its gradients over all of them."""
-    if sharding.cpu_device_count_decided(config, environ):
+    if not sharding.cpu_device_count_open(config, environ):
         return config
     devices = sharding.cpu_devices_per_core(num_members, num_cores)
     return config if devices == 1 else with_overrides(config, {"run.cpu_devices": devices})
@@ -596,8 +596,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, help="seeds per grid point: train.seed, train.seed+1, ... (default 1)")
     parser.add_argument("--member-devices", type=int,
                         help="devices the members are split over (default: as many as divide the member count). "
-                        "Unless this, run.cpu_devices, XLA_FLAGS' device count or distributed.* decides the devices, "
-                        "the CPU is split into one device per core, as many as divide the member count")
+                        "Unless this, run.cpu_devices, XLA_FLAGS' device count, distributed.* or JAX_PLATFORMS (naming "
+                        "another platform first) decides the devices, the CPU is split into one device per core, as "
+                        "many as divide the member count")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value|[v1,v2,...]",
                         help="override or sweep one option")
     return parser.parse_intermixed_args(argv)

@@ -275,20 +275,23 @@ def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
     assert sharding.cpu_devices_per_core(members, cores) == expected
 
 
-@pytest.mark.parametrize("overrides, xla_flags, expected", [
-    ({}, "", 2),
-    ({"run.cpu_devices": 1}, "", 1),  # the config decides
-    ({"run.cpu_devices": 4}, "", 4),
-    ({}, "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=1", 0),  # XLA_FLAGS decides
-    ({}, "--xla_cpu_enable_fast_math=false", 2),
+@pytest.mark.parametrize("overrides, environ, expected", [
+    ({}, {}, 2),
+    ({"run.cpu_devices": 1}, {}, 1),  # the config decides
+    ({"run.cpu_devices": 4}, {}, 4),
+    ({}, {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=1"}, 0),
+    ({}, {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"}, 2),
     ({"distributed.coordinator": "localhost:1234", "distributed.num_processes": 2, "distributed.process_id": 0},
-     "", 0),
-    ({"distributed.auto": True}, "", 0),
+     {}, 0),
+    ({"distributed.auto": True}, {}, 0),
+    ({}, {"JAX_PLATFORMS": "cpu"}, 2),
+    ({}, {"JAX_PLATFORMS": "cuda,cpu"}, 0),  # JAX would run on the GPU
+    ({}, {"JAX_PLATFORMS": "tpu"}, 0),
 ])
-def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, xla_flags, expected):
+def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, environ, expected):
     monkeypatch.setattr(sharding.xla_bridge, "backends_are_initialized", lambda: False)
     config = with_overrides(from_dict(SMALL), overrides)
-    chosen = with_cpu_device_per_core(config, 32, 2, {"XLA_FLAGS": xla_flags})
+    chosen = with_cpu_device_per_core(config, 32, 2, environ)
     assert chosen.run.cpu_devices == expected
     assert (chosen is config) == (expected == config.run.cpu_devices)
 
