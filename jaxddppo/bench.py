@@ -327,14 +327,14 @@ class BenchError(RuntimeError):
 
 def run_trial(trial: Trial, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One measurement in a fresh subprocess with `trial.devices` simulated CPU devices."""
-    from jaxddppo.sharding import environment_for_own_cpu_threads
+    from jaxddppo.sharding import CPU_DEVICE_COUNT_FLAG, environment_for_own_cpu_threads
 
     env = environment_for_own_cpu_threads(os.environ)
     if trial.cpu_threads:
         env["PJRT_NPROC"] = str(trial.cpu_threads)
     env["XLA_FLAGS"] = " ".join(
         [flag for flag in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in flag]
-        + [f"--xla_force_host_platform_device_count={trial.devices}"]
+        + [f"{CPU_DEVICE_COUNT_FLAG}={trial.devices}"]
     )
     command = [sys.executable, "-m", "jaxddppo.bench", "--worker", json.dumps(asdict(trial)),
                "--spec", json.dumps(spec)]

@@ -38,6 +38,8 @@ SHARD_AXIS = "shard"
 DEVICE_AXIS = "device"
 MEMBER_AXIS = "member"
 _ALL_SHARD_AXES = (SHARD_AXIS, DEVICE_AXIS)
+# The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 @dataclass(frozen=True)
@@ -442,12 +444,9 @@ def set_cpu_devices(cpu_devices: int) -> Optional[str]:
         except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
             return f"warning: run.cpu_devices={cpu_devices} has no effect: JAX runs without its CPU backend"
         return (f"warning: run.cpu_devices={cpu_devices} has no effect: JAX's backend started before it was "
-                f"set; set it in a fresh process, or XLA_FLAGS=--xla_force_host_platform_device_count={cpu_devices}")
+                f"set; set it in a fresh process, or XLA_FLAGS={CPU_DEVICE_COUNT_FLAG}={cpu_devices}")
     jax.config.update("jax_num_cpu_devices", cpu_devices)
     return None
-
-
-CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
