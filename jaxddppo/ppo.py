@@ -59,6 +59,7 @@ class UpdateSettings:
     anneal_lr: bool
     num_envs: int  # per shard
     recurrent: bool  # minibatches are whole environment sequences
+    critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
 
@@ -77,6 +78,7 @@ class UpdateSettings:
             anneal_lr=ppo.anneal_lr,
             num_envs=topology.num_envs_per_shard,
             recurrent=config.network.recurrent is not None,
+            critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
             normalize_observations=config.env.normalize_observations,
             scale_rewards=config.env.scale_rewards,
         )
@@ -397,19 +399,15 @@ def make_update(
             return policy_step(network, params, state.obs_moments, carry, obs, episode_start)
 
         rollout, transitions, episode_stats = collect_rollout(
-            env, policy, state.params, state.rollout, key_rollout, settings.num_steps
+            env, policy, state.params, state.rollout, key_rollout, settings.num_steps, settings.critic_after_steps
         )
-        if settings.recurrent:
-            next_values = transitions.next_value
-        else:
-            _, _, next_values = policy(state.params, None, transitions.final_obs, None)
         rewards, return_moments = transitions.reward, state.return_moments
         if settings.scale_rewards:
             scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, hyperparams.gamma)
             rewards, return_moments = scaled.rewards, scaled.moments
             rollout = rollout.replace(discounted_return=scaled.discounted_return)
         advantages = gae(
-            rewards, transitions.value, next_values,
+            rewards, transitions.value, transitions.next_value,
             transitions.terminated, transitions.truncated,
             hyperparams.gamma, hyperparams.gae_lambda,
         )

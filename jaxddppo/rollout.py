@@ -11,7 +11,8 @@ from flax import struct
 
 from jaxddppo.envs import BatchedEnv, EpisodeState
 
-# (params, carry, obs [B, ...], episode_start [B] or None) -> (carry, distribution, value [B])
+# (params, carry, obs [B, ...], episode_start [B] or None) -> (carry, distribution, value [B]);
+# a feed-forward policy (carry None) takes obs with any leading shape, [T, B, ...] too.
 PolicyFn = Callable[[Any, Any, jax.Array, Optional[jax.Array]], tuple[Any, Any, jax.Array]]
 
 
@@ -27,9 +28,8 @@ class Transition:
     terminated: jax.Array  # true end of episode: no bootstrap
     truncated: jax.Array  # time limit: bootstrap from final_obs
     final_obs: jax.Array  # observation reached by the step, before any auto-reset
-    # Recurrent policies only (None otherwise):
-    episode_start: Optional[jax.Array] = None  # obs is the first of its episode: the carry was reset
-    next_value: Optional[jax.Array] = None  # V_old(final_obs) with the carry after the step
+    next_value: jax.Array  # V_old(final_obs); recurrent policies: with the carry after the step
+    episode_start: Optional[jax.Array] = None  # recurrent policies only: the carry was reset before obs
 
 
 @struct.dataclass
@@ -53,38 +53,50 @@ class EpisodeStats:
 
 
 def collect_rollout(
-    env: BatchedEnv, policy: PolicyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int
+    env: BatchedEnv, policy: PolicyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int,
+    critic_after_steps: bool = False,
 ) -> tuple[RolloutState, Transition, EpisodeStats]:
     """Step every environment `num_steps` times with actions sampled from the policy.
 
     A recurrent policy (`state.carry` not None) carries its state from step to
     step, resets it where an episode starts, and values each step's final_obs
-    with the carry the step produced.
+    with the carry the step produced. A feed-forward policy values the final_obs
+    of all steps after the last one, in one pass, and with `critic_after_steps`
+    the observations acted on too, in another: the steps then leave the critic
+    out (XLA drops it from the loop), which pays when it has a torso of its own
+    and the batch is small (large products instead of T small ones, each with a
+    fixed cost); with a torso shared with the actor, a value at each step costs
+    only its head.
     """
     recurrent = state.carry is not None
+    if recurrent and critic_after_steps:
+        raise ValueError("critic_after_steps needs a feed-forward policy; a recurrent one values each step")
 
     def step(carry: RolloutState, keys: tuple[jax.Array, jax.Array]) -> tuple[RolloutState, tuple[Transition, Any]]:
         key_action, env_keys = keys
         policy_carry, dist, value = policy(params, carry.carry, carry.obs, carry.episode_start)
         action = dist.sample(key_action)
         env_state, result = env.step_with_keys(env_keys, carry.env, action)
+        next_state = carry.replace(env=env_state, obs=result.obs)
+        next_value, episode_start = None, None
+        if recurrent:
+            done = result.terminated | result.truncated
+            _, _, next_value = policy(params, policy_carry, result.final_obs, jnp.zeros_like(done))
+            episode_start = carry.episode_start
+            next_state = next_state.replace(carry=policy_carry, episode_start=done)
         transition = Transition(
             obs=carry.obs,
             action=action,
             log_prob=dist.log_prob(action),
-            value=value,
+            value=None if critic_after_steps else value,
             reward=result.reward,
             terminated=result.terminated,
             truncated=result.truncated,
             final_obs=result.final_obs,
+            next_value=next_value,
+            episode_start=episode_start,
         )
         ended = (result.episode_return, result.episode_length, result.terminated | result.truncated)
-        next_state = carry.replace(env=env_state, obs=result.obs)
-        if recurrent:
-            done = result.terminated | result.truncated
-            _, _, next_value = policy(params, policy_carry, result.final_obs, jnp.zeros_like(done))
-            transition = transition.replace(episode_start=carry.episode_start, next_value=next_value)
-            next_state = next_state.replace(carry=policy_carry, episode_start=done)
         return next_state, (transition, ended)
 
     pack, unpack = carried_as_one_array_per_dtype(state)
@@ -97,6 +109,10 @@ def collect_rollout(
         packed_step, pack(state), step_keys(key, num_steps, state.obs.shape[0])
     )
     state = unpack(packed)
+    if critic_after_steps:
+        transitions = transitions.replace(value=policy(params, None, transitions.obs, None)[2])
+    if not recurrent:
+        transitions = transitions.replace(next_value=policy(params, None, transitions.final_obs, None)[2])
     stats = EpisodeStats(
         return_sum=returns.sum(),
         length_sum=lengths.sum().astype(jnp.float32),

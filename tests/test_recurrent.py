@@ -130,7 +130,7 @@ def sequence_settings(num_envs: int, num_epochs: int, num_minibatches: int) -> U
     return UpdateSettings(
         num_steps=5, num_epochs=num_epochs, num_minibatches=num_minibatches,
         minibatch_size=5 * num_envs // num_minibatches, num_shards=1, num_updates=1, clip_value=True,
-        normalize_advantages=True, anneal_lr=False, num_envs=num_envs, recurrent=True,
+        normalize_advantages=True, anneal_lr=False, num_envs=num_envs, recurrent=True, critic_after_steps=False,
         normalize_observations=False, scale_rewards=False,
     )
 
