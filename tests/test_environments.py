@@ -15,24 +15,27 @@ from jaxddppo.rollout import RolloutState, carried_as_one_array_per_dtype, colle
 NUM_ENVS, NUM_STEPS = 3, 4
 
 
-@pytest.mark.parametrize("env_id", available_env_ids())
-def test_rollout_runs_on_every_environment(env_id):
-    env = make_env(env_id)
-    network = make_actor_critic(NetworkConfig(hidden_sizes=(8,), cnn_channels=(4,)), env.spec)
-
+def _rollout_fn(env, network, critic_after_steps):
     @jax.jit
     def rollout(key):
         obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
         params = network.init(jax.random.fold_in(key, 1), obs)
         return collect_rollout(env, network.step, params, RolloutState(env_state, obs),
-                               jax.random.fold_in(key, 2), NUM_STEPS)
+                               jax.random.fold_in(key, 2), NUM_STEPS, critic_after_steps)
 
-    _, transitions, stats = rollout(jax.random.key(0))
+    return rollout
+
+
+@pytest.mark.parametrize("env_id", available_env_ids())
+def test_rollout_runs_on_every_environment(env_id):
+    env = make_env(env_id)
+    network = make_actor_critic(NetworkConfig(hidden_sizes=(8,), cnn_channels=(4,)), env.spec)
+    _, transitions, stats = _rollout_fn(env, network, critic_after_steps=False)(jax.random.key(0))
     assert transitions.obs.shape == (NUM_STEPS, NUM_ENVS) + env.spec.obs_shape
     assert transitions.obs.dtype == jnp.float32
     expected_action_shape = (NUM_STEPS, NUM_ENVS) + (() if env.spec.discrete else (env.spec.num_actions,))
     assert transitions.action.shape == expected_action_shape
-    for name in ("obs", "log_prob", "value", "reward", "final_obs"):
+    for name in ("obs", "log_prob", "value", "reward", "final_obs", "next_value"):
         assert np.isfinite(np.asarray(getattr(transitions, name))).all(), name
     assert not np.any(np.asarray(transitions.terminated) & np.asarray(transitions.truncated))
     assert float(stats.count) >= 0
@@ -54,17 +57,6 @@ def test_rollout_carry_packs_one_array_per_dtype_and_back():
     for name, value in tree.items():
         assert restored[name].dtype == value.dtype and restored[name].shape == value.shape, name
         np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
-
-
-def _rollout_fn(env, network, critic_after_steps):
-    @jax.jit
-    def rollout(key):
-        obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
-        params = network.init(jax.random.fold_in(key, 1), obs)
-        return collect_rollout(env, network.step, params, RolloutState(env_state, obs),
-                               jax.random.fold_in(key, 2), NUM_STEPS, critic_after_steps)
-
-    return rollout
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
