@@ -453,9 +453,10 @@ def make_update(
     return update
 
 
-def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array) -> Any:
-    """The parameters every shard of a run starts from: one key, shared by all shards."""
-    return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
+def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array, key_impl: Any = None) -> Any:
+    """The parameters every shard of a run starts from: one key, shared by all shards.
+    `key_impl`: the implementation of that key (`prng.run_once_key_impl`; None: JAX's default)."""
+    return network.init(jax.random.fold_in(jax.random.key(seed, impl=key_impl), 0), obs)
 
 
 def init_train_state(
@@ -467,17 +468,21 @@ def init_train_state(
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
     params: Any = None,
+    key_impl: Any = None,
 ) -> TrainState:
     """One shard's initial state. Parameters are `initial_params(seed, ...)` unless given;
     environment and update keys are folded from the global shard index.
 
     A sweep passes `params` in, computed one member at a time: XLA on CPU can hang
     running a program that initialises several members' networks at once (batched QR).
+    `key_impl` is the implementation of the keys the initialisation derives
+    (`prng.run_once_key_impl`; None: JAX's default); keys of `prng.HOST_THREEFRY` reach
+    the state as JAX's own Threefry keys with the same bits.
     """
-    root = jax.random.key(seed)
+    root = jax.random.key(seed, impl=key_impl)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = initial_params(seed, network, obs) if params is None else params
+    params = initial_params(seed, network, obs, key_impl) if params is None else params
     opt_state = make_optimizer(hyperparams, settings).init(params)
     rollout = RolloutState(env_state, obs)
     if network.recurrent:
@@ -487,7 +492,7 @@ def init_train_state(
         )
     if settings.scale_rewards:
         rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
-    return TrainState(
+    return prng.with_default_impl(TrainState(
         params=params,
         opt_state=opt_state,
         rollout=rollout,
@@ -495,4 +500,4 @@ def init_train_state(
         update_index=jnp.zeros((), jnp.int32),
         obs_moments=init_moments(env.spec.obs_shape) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,
-    )
+    ))

@@ -1,7 +1,8 @@
 """Faster CPU lowerings of JAX's random numbers: the same bits, fewer and cheaper XLA ops.
 
-Two parts: the Threefry-2x32 hash behind every key split and draw, and the sort
-behind `jax.random.permutation` (`permutation` below).
+Three parts: the Threefry-2x32 hash behind every key split and draw, the sort
+behind `jax.random.permutation` (`permutation` below), and a key implementation
+that hashes on the host, for programs that run once (`HOST_THREEFRY` below).
 
 On CPU, JAX lowers the hash behind `jax.random` as a `while` loop over its five
 blocks of four rounds (small programs, quick compiles). Every key split, fold-in
@@ -25,7 +26,7 @@ affects programs compiled afterwards, and only how they are lowered. Importing
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
-from jax.extend.random import threefry2x32_p
+from jax.extend.random import define_prng_impl, threefry2x32_p, threefry_prng_impl
 from jax.interpreters import batching, mlir
 
 # Rotation distances of Threefry-2x32 (Salmon et al., SC'11), for even and odd blocks of four rounds.
@@ -111,6 +112,99 @@ def _threefry2x32_lowering(ctx: Any, key0: Any, key1: Any, count0: Any, count1: 
 
     operands = [words(value, aval) for value, aval in zip((key0, key1, count0, count1), ctx.avals_in)]
     return [word.value for word in threefry2x32_unrolled(*operands)]
+
+
+def _flat_index_words(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The high and low uint32 words of each element's row-major index in `shape`: the
+    counts JAX hashes to split a key or draw bits of that shape."""
+    index = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
+    return (index >> np.uint64(32)).astype(np.uint32), (index & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def _hash_host(keys: np.ndarray, count_high: np.ndarray, count_low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`threefry2x32_unrolled` in NumPy under the uint32 `keys` [..., 2]; the additions wrap
+    around, as the hash means them to (NumPy warns of that for 0-d operands)."""
+    with np.errstate(over="ignore"):
+        return threefry2x32_unrolled(keys[..., 0], keys[..., 1], count_high, count_low)
+
+
+def _hash_keys_host(keys: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Both output words of hashing every element index of `shape` under each of the
+    uint32 `keys` [..., 2]: arrays [..., *shape]."""
+    high, low = _flat_index_words(shape)
+    keys = np.asarray(keys, np.uint32)
+    return _hash_host(keys.reshape(keys.shape[:-1] + (1,) * len(shape) + (2,)), high, low)
+
+
+def _split_host(keys: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return np.stack(_hash_keys_host(keys, shape), axis=-1)
+
+
+def _fold_in_host(keys: np.ndarray, data: np.ndarray) -> np.ndarray:
+    keys, data = np.asarray(keys, np.uint32), np.asarray(data, np.uint32)
+    return np.stack(_hash_host(keys, np.zeros_like(data), data), axis=-1)
+
+
+def _random_bits_host(keys: np.ndarray, bit_width: int, shape: tuple[int, ...]) -> np.ndarray:
+    high, low = _hash_keys_host(keys, shape)
+    if bit_width == 64:
+        return (high.astype(np.uint64) << np.uint64(32)) | low.astype(np.uint64)
+    return (high ^ low).astype(np.dtype(f"uint{bit_width}"))
+
+
+def _split_on_host(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    shape = tuple(shape)
+    result = jax.ShapeDtypeStruct((*shape, 2), jnp.uint32)
+    return jax.pure_callback(lambda keys: _split_host(keys, shape), result, key, vmap_method="expand_dims")
+
+
+def _fold_in_on_host(key: jax.Array, data: Any) -> jax.Array:
+    data = jnp.asarray(data, jnp.uint32)
+    result = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return jax.pure_callback(_fold_in_host, result, key, data, vmap_method="broadcast_all")
+
+
+def _random_bits_on_host(key: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
+    shape = tuple(shape)
+    result = jax.ShapeDtypeStruct(shape, jnp.dtype(f"uint{bit_width}"))
+    return jax.pure_callback(lambda keys: _random_bits_host(keys, bit_width, shape), result, key,
+                             vmap_method="expand_dims")
+
+
+# JAX's Threefry keys (in jax_threefry_partitionable's layout), hashed on the host.
+# Every split, fold-in and draw of a key of this implementation gives the bits JAX's own
+# Threefry gives (tests/test_prng.py), but the compiled program calls back into NumPy
+# for the hash instead of computing it. For a program that runs once, such as a run's
+# initialisation, that is the cheaper trade on CPU: the hash's written-out rounds were
+# half of the CartPole initialisation's compile (0.6-0.7 s, 1 CPU second), and its few
+# callbacks cost milliseconds, once. See `run_once_key_impl`.
+HOST_THREEFRY = define_prng_impl(
+    key_shape=(2,), seed=threefry_prng_impl.seed, split=_split_on_host, random_bits=_random_bits_on_host,
+    fold_in=_fold_in_on_host, name="threefry2x32_on_host", tag="fryh",
+)
+
+
+def run_once_key_impl(platform: str) -> Optional[Any]:
+    """The key implementation for a program that runs once on `platform` (`jax.random.key`'s
+    `impl`): `HOST_THREEFRY` on CPU when JAX's default keys are Threefry keys in the
+    partitionable layout (its default), else None (JAX's default). Pass the keys such a
+    program returns through `with_default_impl`."""
+    default_threefry = (jax.config.jax_default_prng_impl == "threefry2x32"
+                        and jax.config.jax_threefry_partitionable)
+    return HOST_THREEFRY if platform == "cpu" and default_threefry else None
+
+
+def with_default_impl(tree: Any) -> Any:
+    """`tree` with every key of `HOST_THREEFRY` made a key of JAX's default Threefry, the same
+    key data: the keys an initialisation hands to the compiled training chunks."""
+
+    def convert(leaf: Any) -> Any:
+        is_key = isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+        if is_key and jax.random.key_impl(leaf) == HOST_THREEFRY:
+            return jax.random.wrap_key_data(jax.random.key_data(leaf), impl=threefry_prng_impl)
+        return leaf
+
+    return jax.tree.map(convert, tree)
 
 
 def permutation(key: jax.Array, n: int) -> jax.Array:

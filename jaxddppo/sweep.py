@@ -28,7 +28,7 @@ import numpy as np
 from flax import struct
 from matplotlib.figure import Figure
 
-from jaxddppo import sharding
+from jaxddppo import prng, sharding
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
     Config,
@@ -208,7 +208,8 @@ class Population:
     def initial_params(self) -> Any:
         """Every member's initial parameters, computed one member at a time: leaves [members, shards, ...]."""
         example_obs, _ = self.env.reset(jax.random.key(0), 1)
-        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs),
+        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
+        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs, key_impl),
                        compiler_options=sharding.run_once_compiler_options(self.mesh))
         per_member = [jax.device_get(init(np.int32(member.seed))) for member in self.members]
         num_shards = self.placement.num_shards
@@ -219,10 +220,12 @@ class Population:
 
     def init_fn(self) -> Callable[[MemberInputs, Any], TrainState]:
         """`(inputs, initial_params()) -> TrainState`: every member's initial state."""
+        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
+
         def init_shard(shard: MemberInputs, params: Any) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
-                self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params,
+                self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params, key_impl,
             )
 
         return sharding.population_parallel(init_shard, self.mesh)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxddppo import sharding
+from jaxddppo import prng, sharding
 from jaxddppo.checkpoint import (
     PREEMPTED_EXIT_CODE,
     Checkpointer,
@@ -116,11 +116,12 @@ class Experiment:
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
         """`(shard_inputs) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
         topology = self.topology
+        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
 
         def init_shard(shard: ShardInputs) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
-                topology.num_envs_per_shard, self.hyperparams, self.settings,
+                topology.num_envs_per_shard, self.hyperparams, self.settings, key_impl=key_impl,
             )
 
         return sharding.shard_parallel(init_shard, self.mesh)

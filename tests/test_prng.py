@@ -1,4 +1,5 @@
-"""The faster CPU lowering of the Threefry hash: the same bits as JAX's own, with no loop."""
+"""The faster CPU lowering of the Threefry hash: the same bits as JAX's own, with no loop;
+the same bits again from keys hashed on the host; the permutation's one-array sort."""
 
 import json
 import subprocess
@@ -67,6 +68,73 @@ def test_installed_lowering_broadcasts_operands_like_numpy():
     expected = prng.threefry2x32_unrolled(*np.broadcast_arrays(*operands))
     for got, want in zip(hashed, expected):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def draws_of_every_kind(key):
+    """Splits (of several shapes), fold-ins, bits of every width and the floats built on them."""
+    return (
+        jax.random.key_data(jax.random.split(key)),
+        jax.random.key_data(jax.random.split(key, (2, 3))),
+        jax.random.key_data(jax.random.fold_in(key, 7)),
+        jax.random.key_data(jax.random.fold_in(jax.random.fold_in(key, 0), 2**32 - 1)),
+        *(jax.random.bits(key, (5, 3), dtype) for dtype in (jnp.uint8, jnp.uint16, jnp.uint32)),
+        jax.random.bits(key, (), jnp.uint32),
+        jax.random.uniform(jax.random.fold_in(key, 1), (33,)),
+        jax.random.normal(jax.random.split(key, 3)[2], (4, 7)),
+        jax.random.categorical(key, jnp.zeros((6, 3))),
+    )
+
+
+@pytest.mark.parametrize("how", ["eager", "jit", "vmap", "vmap of vmap"])
+def test_keys_hashed_on_host_draw_jax_own_bits(how):
+    seeds = np.array([[0, 1, 2**31 - 1], [42, 7, 123456]], np.int32)
+    def draws_from_seed(impl):
+        return lambda seed: draws_of_every_kind(jax.random.key(seed, impl=impl))
+    def run(impl):
+        if how == "eager":
+            return draws_from_seed(impl)(seeds[1, 0])
+        if how == "jit":
+            return jax.jit(draws_from_seed(impl))(seeds[1, 0])
+        if how == "vmap":
+            return jax.jit(jax.vmap(draws_from_seed(impl)))(seeds[1])
+        return jax.jit(jax.vmap(jax.vmap(draws_from_seed(impl))))(seeds)
+    on_host, own = run(prng.HOST_THREEFRY), run(None)
+    for got, want in zip(on_host, own, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_keys_hashed_on_host_compile_no_hash():
+    """The hash runs in a host callback: the compiled program has none of its rounds (one
+    exclusive-or each, twenty per hash; here a fold-in and a draw)."""
+    prng.install()
+    def draws(impl):
+        return jax.jit(lambda seed: jax.random.normal(jax.random.fold_in(jax.random.key(seed, impl=impl), 3), (8,)))
+    def xors(impl):
+        return draws(impl).lower(np.int32(0)).compile().as_text().count(" xor(")
+    assert xors(None) >= 40
+    assert xors(prng.HOST_THREEFRY) == 0
+
+
+def test_run_once_key_impl_is_the_host_hash_on_cpu_with_jax_default_keys():
+    assert prng.run_once_key_impl("cpu") is prng.HOST_THREEFRY
+    assert prng.run_once_key_impl("gpu") is None
+    default = jax.config.jax_default_prng_impl
+    try:
+        jax.config.update("jax_default_prng_impl", "rbg")
+        assert prng.run_once_key_impl("cpu") is None
+    finally:
+        jax.config.update("jax_default_prng_impl", default)
+
+
+def test_with_default_impl_gives_host_keys_jax_own_impl_and_keeps_other_leaves():
+    host_key, own_key = jax.random.key(5, impl=prng.HOST_THREEFRY), jax.random.key(5)
+    tree = {"host": host_key, "own": own_key, "array": jnp.arange(3)}
+    converted = jax.jit(prng.with_default_impl)(tree)
+    for name in ("host", "own"):
+        assert jax.random.key_impl(converted[name]) == jax.random.key_impl(own_key)
+        np.testing.assert_array_equal(jax.random.key_data(converted[name]), jax.random.key_data(own_key))
+    np.testing.assert_array_equal(converted["array"], np.arange(3))
 
 
 # 512 and 65,536 are the small and large configs' batches; past 1,625 JAX sorts twice.

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env
 
-from jaxddppo import sharding, train
+from jaxddppo import prng, sharding, train
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
@@ -241,6 +241,28 @@ def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
     assert jax.tree.structure(run_once) == jax.tree.structure(default)
     for run_once_leaf, default_leaf in zip(host_leaves(run_once), host_leaves(default), strict=True):
         np.testing.assert_array_equal(run_once_leaf, default_leaf)
+
+
+@pytest.mark.parametrize("experiment_yaml, num_devices", [
+    ("cartpole.yaml", 1), ("cartpole.yaml", 2), ("memory_chain.yaml", 1), ("pendulum.yaml", 1),
+    ("breakout_minatar.yaml", 1),
+])
+def test_keys_hashed_on_host_give_the_same_initial_state(experiment_yaml, num_devices, monkeypatch):
+    """On CPU the initialisation derives its keys with `prng.run_once_key_impl`, hashed in
+    host callbacks; every leaf of the initial state (parameters, environment state, the
+    update key and its implementation) is bit for bit what JAX's own keys give, on one
+    device and on two (one shard each)."""
+    overrides = ["train.num_shards=2"] if num_devices == 2 else []
+    config = load_config(str(REPO_ROOT / "experiments" / experiment_yaml), overrides)
+    experiment = build(config, jax.devices()[:num_devices])
+    assert "callback" in experiment.init_fn().lower(experiment.shard_inputs()).as_text()
+    on_host = experiment.init_state()
+    monkeypatch.setattr(prng, "run_once_key_impl", lambda platform: None)
+    own = build(config, jax.devices()[:num_devices]).init_state()
+    assert jax.tree.structure(on_host) == jax.tree.structure(own)
+    assert jax.random.key_impl(on_host.key) == jax.random.key_impl(own.key)
+    for on_host_leaf, own_leaf in zip(host_leaves(on_host), host_leaves(own), strict=True):
+        np.testing.assert_array_equal(on_host_leaf, own_leaf)
 
 
 def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
