@@ -177,6 +177,11 @@ def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, .
     return _jit_over_mesh(per_device, mesh, PartitionSpec(DEVICE_AXIS), donate_argnums, shared_argnums)
 
 
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of the mesh's devices ("cpu", "gpu", "tpu")."""
+    return mesh.devices.flat[0].platform
+
+
 def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
     """XLA options for compiling a program called once per run, such as the initialisation.
 
@@ -186,7 +191,7 @@ def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
     seconds) and computes the same bits: tests/test_sharding.py compares the initial
     states. On other platforms: no options.
     """
-    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"} if mesh.devices.flat[0].platform == "cpu" else {}
+    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"} if mesh_platform(mesh) == "cpu" else {}
 
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:

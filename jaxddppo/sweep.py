@@ -208,7 +208,7 @@ class Population:
     def initial_params(self) -> Any:
         """Every member's initial parameters, computed one member at a time: leaves [members, shards, ...]."""
         example_obs, _ = self.env.reset(jax.random.key(0), 1)
-        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
+        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
         init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs, key_impl),
                        compiler_options=sharding.run_once_compiler_options(self.mesh))
         per_member = [jax.device_get(init(np.int32(member.seed))) for member in self.members]
@@ -220,7 +220,7 @@ class Population:
 
     def init_fn(self) -> Callable[[MemberInputs, Any], TrainState]:
         """`(inputs, initial_params()) -> TrainState`: every member's initial state."""
-        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
+        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
 
         def init_shard(shard: MemberInputs, params: Any) -> TrainState:
             return init_train_state(

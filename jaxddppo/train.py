@@ -116,7 +116,7 @@ class Experiment:
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
         """`(shard_inputs) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
         topology = self.topology
-        key_impl = prng.run_once_key_impl(self.mesh.devices.flat[0].platform)
+        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
 
         def init_shard(shard: ShardInputs) -> TrainState:
             return init_train_state(
