@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax import custom_batching
 
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import EnvSpec
@@ -125,8 +126,36 @@ def _dense_dot_general(inputs: jax.Array, kernel: jax.Array, dimension_numbers: 
     return _dense_product(inputs, kernel)
 
 
+def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
+    """`nn.initializers.orthogonal(scale)` bit for bit, except that under `vmap` its QR
+    factorisations run one matrix after another (`lax.map`) instead of batched.
+
+    Why: jaxlib 0.10's CPU QR spreads a batch of matrices over XLA's thread pool and waits
+    for them on a thread of that same pool. An initialisation holds several independent QRs
+    (one per layer); batched (several shards on a device, or a caller's vmap over seeds)
+    and run at once on every thread of the pool, each waits for work no thread is left to
+    run, and the program never finishes. One matrix at a time, the QR runs on the thread
+    that calls it."""
+    draw_one = nn.initializers.orthogonal(scale)
+
+    def init(key: jax.Array, shape: Sequence[int], dtype: Any = None) -> jax.Array:
+        @custom_batching.custom_vmap
+        def draw(key: jax.Array) -> jax.Array:
+            return draw_one(key, shape, dtype)
+
+        @draw.def_vmap
+        def draw_each(axis_size: int, in_batched: Sequence[bool], keys: jax.Array) -> tuple[jax.Array, bool]:
+            if axis_size == 1:
+                return draw(keys[0])[None], True
+            return jax.lax.map(draw, keys), True
+
+        return draw(key)
+
+    return init
+
+
 def _dense(features: int, scale: float) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(scale), bias_init=nn.initializers.zeros,
+    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros,
                     dot_general=_dense_dot_general)
 
 
@@ -144,7 +173,7 @@ class Torso(nn.Module):
         if self.cnn_channels:
             for channels in self.cnn_channels:
                 conv = nn.Conv(channels, (3, 3), padding="VALID",
-                               kernel_init=nn.initializers.orthogonal(math.sqrt(2.0)))
+                               kernel_init=orthogonal(math.sqrt(2.0)))
                 x = act(conv(x))
             x = x.reshape(x.shape[:-3] + (-1,))
         for width in self.hidden_sizes:
@@ -176,8 +205,8 @@ class ActorCriticModule(nn.Module):
 
 def _recurrent_cell(kind: str, size: int, name: str) -> nn.RNNCellBase:
     if kind == "gru":
-        return nn.GRUCell(size, name=name)
-    return nn.OptimizedLSTMCell(size, name=name)
+        return nn.GRUCell(size, recurrent_kernel_init=orthogonal(), name=name)
+    return nn.OptimizedLSTMCell(size, recurrent_kernel_init=orthogonal(), name=name)
 
 
 def zero_carry(kind: str, size: int, batch_size: int) -> Any:

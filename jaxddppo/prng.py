@@ -186,15 +186,12 @@ HOST_THREEFRY = define_prng_impl(
 
 def run_once_key_impl(platform: str) -> Optional[Any]:
     """The key implementation for a program that runs once on `platform` (`jax.random.key`'s
-    `impl`): `HOST_THREEFRY` on CPU in a single-process run when JAX's default keys are
-    Threefry keys in the partitionable layout (its default), else None (JAX's default).
-    Pass the keys such a program returns through `with_default_impl`. Several processes
-    (`jax.distributed`) keep JAX's keys: there the initialisation with host callbacks
-    never finished (tests/test_multihost.py)."""
+    `impl`): `HOST_THREEFRY` on CPU when JAX's default keys are Threefry keys in the
+    partitionable layout (its default), else None (JAX's default). Pass the keys such a
+    program returns through `with_default_impl`."""
     default_threefry = (jax.config.jax_default_prng_impl == "threefry2x32"
                         and jax.config.jax_threefry_partitionable)
-    single_process = jax.process_count() == 1
-    return HOST_THREEFRY if platform == "cpu" and default_threefry and single_process else None
+    return HOST_THREEFRY if platform == "cpu" and default_threefry else None
 
 
 def with_default_impl(tree: Any) -> Any:

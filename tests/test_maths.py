@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import make_env
-from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic
+from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
 from jaxddppo.ppo import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.rollout import gae
 
@@ -386,6 +387,28 @@ def test_network_gradients_match_float64_backpropagation():
     eager = jax.grad(objective)(params, obs[0], logits_grad[0], value_grad[0])
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b)[0], rtol=1e-6, atol=1e-7),
                  eager, per_shard)
+
+
+@pytest.mark.parametrize("scale", [1.0, math.sqrt(2.0), 0.01])
+@pytest.mark.parametrize("shape", [(64, 64), (4, 64), (64, 2), (3, 3, 8, 16)])
+def test_orthogonal_initialiser_is_flaxs_unbatched_or_vmapped(scale, shape):
+    """`networks.orthogonal` draws flax's orthogonal matrices bit for bit: called on one key,
+    vmapped twice over a [2, 3] grid of keys (where it factorises one matrix at a time) and
+    over a batch of one key, each entry the matrix of its own key; the matrices are
+    orthogonal, times `scale`."""
+    keys = jax.random.split(jax.random.key(3), 6).reshape(2, 3)
+    flax_init = lambda key: nn.initializers.orthogonal(scale)(key, shape, jnp.float32)
+    ours = lambda key: orthogonal(scale)(key, shape, jnp.float32)
+    want = jax.jit(jax.vmap(jax.vmap(flax_init)))(keys)
+    got = jax.jit(jax.vmap(jax.vmap(ours)))(keys)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(ours(keys[1, 2]), want[1, 2])
+    np.testing.assert_array_equal(jax.jit(jax.vmap(ours))(keys[1, 2:]), want[1, 2:])  # a batch of one
+    assert not np.array_equal(got[0, 0], got[1, 2])
+    columns = np.asarray(got[1, 2], np.float64).reshape(-1, shape[-1]) / scale
+    small = min(columns.shape)
+    gram = columns.T @ columns if columns.shape[0] >= columns.shape[1] else columns @ columns.T
+    np.testing.assert_allclose(gram, np.eye(small), atol=1e-5)
 
 
 def test_ppo_loss_unjitted_call():

@@ -11,6 +11,7 @@
 
 import gc
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -263,6 +264,27 @@ def test_keys_hashed_on_host_give_the_same_initial_state(experiment_yaml, num_de
     assert jax.random.key_impl(on_host.key) == jax.random.key_impl(own.key)
     for on_host_leaf, own_leaf in zip(host_leaves(on_host), host_leaves(own), strict=True):
         np.testing.assert_array_equal(on_host_leaf, own_leaf)
+
+
+@pytest.mark.parametrize("experiment_yaml, overrides, num_devices", [
+    ("cartpole.yaml", ["train.num_shards=4"], 2),
+    ("memory_chain.yaml", ["train.num_shards=2"], 1),
+    ("memory_chain.yaml", ["train.num_shards=2", "network.recurrent=lstm"], 1),
+    ("breakout_minatar.yaml", ["train.num_shards=2"], 1),
+])
+def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrides, num_devices):
+    """With two shards per device every orthogonal initialiser (dense, convolution,
+    recurrent kernels) is vmapped; its QR factorisations must still be unbatched LAPACK
+    calls on single matrices: jaxlib 0.10 runs a batched one on XLA's thread pool and
+    waits for it there, which deadlocked this module's tests (`networks.orthogonal`)."""
+    config = load_config(str(REPO_ROOT / "experiments" / experiment_yaml), overrides)
+    experiment = build(config, jax.devices()[:num_devices])
+    assert experiment.topology.shards_per_device == 2
+    text = experiment.init_fn().lower(experiment.shard_inputs()).as_text()
+    matrices = re.findall(r"custom_call @lapack_\w+\(.*?: \(tensor<([^>]*)>", text)
+    assert len(matrices) >= 2
+    for matrix in matrices:
+        assert len(matrix.split("x")) == 3, f"a batched LAPACK call on tensor<{matrix}>"  # rows x columns x type
 
 
 def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
