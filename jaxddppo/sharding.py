@@ -182,16 +182,21 @@ def mesh_platform(mesh: Mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def run_once_compiler_options(mesh: Mesh) -> dict[str, str]:
+def run_once_compiler_options(mesh: Mesh) -> dict[str, Any]:
     """XLA options for compiling a program called once per run, such as the initialisation.
 
     On CPU: XLA's fast-compile preset, which skips optimisations whose run time a
-    program called once never pays back. On one device the CartPole initialisation
-    compiles in 1.2-1.3 s instead of 1.9-2.0 s with it (1.8-2.0 against 2.9-3.1 CPU
-    seconds) and computes the same bits: tests/test_sharding.py compares the initial
-    states. On other platforms: no options.
+    program called once never pays back, and XLA's older kernel emitter, quicker to
+    compile small kernels than its fusion emitters. On one device the CartPole
+    initialisation compiles in 1.2-1.3 s instead of 1.9-2.0 s with the preset (1.8-2.0
+    against 2.9-3.1 CPU seconds); since its hashes moved to the host, in 0.23-0.24 s with
+    the older emitter against 0.29-0.38 s without (0.35-0.48 against 0.45-0.63 CPU
+    seconds). Either way it computes the same bits: tests/test_sharding.py compares the
+    initial states. On other platforms: no options.
     """
-    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE"} if mesh_platform(mesh) == "cpu" else {}
+    if mesh_platform(mesh) != "cpu":
+        return {}
+    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE", "xla_cpu_use_fusion_emitters": False}
 
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:

@@ -512,9 +512,10 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     compile_start = time.perf_counter()
     inputs = population.inputs()
     params = population.initial_params()
+    abstract_count = abstract_update_count(population.mesh)
     compiled = lower_and_compile(
-        population.mesh, lambda: population.init_fn().lower(inputs, params),
-        lambda state: {"learn": population.learn_fn().lower(state, inputs, abstract_update_count(population.mesh))},
+        population.mesh, lambda: population.init_fn().trace(inputs, params),
+        lambda state: {"learn": lambda: population.learn_fn().lower(state, inputs, abstract_count)},
     )
     state = compiled["init"](inputs, params)
     jax.block_until_ready(state)

@@ -318,8 +318,11 @@ def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """Whether every element of every leaf of `tree` is finite: a bool scalar."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]))
+    """Whether every element of every leaf of `tree` is finite: a bool scalar.
+
+    One test over the leaves laid end to end: a test per leaf compiled into a kernel or
+    two per parameter shape (10 more kernels in the CartPole chunk)."""
+    return jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(tree)])))
 
 
 def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
@@ -365,19 +368,6 @@ class PeriodicEval:
         )
 
 
-def compile_concurrently(lowered: Mapping[Any, Any],
-                         compiler_options: Optional[Mapping[Any, dict[str, Any]]] = None) -> dict[Any, Any]:
-    """Compile lowered programs side by side, each with its `compiler_options` if any: XLA
-    compiles without holding the GIL, so on a machine with several cores the
-    initialisation, the chunks and the evaluation compile in about the time of the
-    largest of them."""
-    compiler_options = compiler_options or {}
-    workers = max(1, min(len(lowered), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {key: pool.submit(program.compile, compiler_options.get(key)) for key, program in lowered.items()}
-        return {key: future.result() for key, future in futures.items()}
-
-
 @dataclass(frozen=True)
 class Programs:
     """Everything a run executes, compiled: the initialisation, the chunk of updates
@@ -409,17 +399,26 @@ def cyclic_collection_deferred() -> Iterator[None]:
             gc.enable()
 
 
-def lower_and_compile(mesh: jax.sharding.Mesh, lower_init: Callable[[], Any],
-                      lower_from_state: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """A run's programs, compiled, by name: "init" from `lower_init()`, and the others from
-    `lower_from_state(state)`, lowered from the initialisation's output shapes alone.
-    Lowering runs with the garbage collector paused (`cyclic_collection_deferred`); then
-    every program compiles concurrently, the initialisation, which runs once, with
-    `sharding.run_once_compiler_options`."""
-    with cyclic_collection_deferred():
-        init = lower_init()
-        lowered = {"init": init, **lower_from_state(init.out_info)}
-    return compile_concurrently(lowered, {"init": sharding.run_once_compiler_options(mesh)})
+def lower_and_compile(mesh: jax.sharding.Mesh, trace_init: Callable[[], jax.stages.Traced],
+                      lowerings_from_state: Callable[[Any], dict[str, Callable[[], jax.stages.Lowered]]]
+                      ) -> dict[str, Any]:
+    """A run's programs, compiled, by name: "init" from `trace_init()`, and the others from
+    `lowerings_from_state(state)`, which lowers them from the initialisation's output shapes
+    alone, the longest to compile first.
+
+    Each program starts compiling as soon as it is lowered, the initialisation (which runs
+    once, with `sharding.run_once_compiler_options`) last: XLA compiles without holding the
+    GIL, so the initialisation's lowering and compile run beside the chunk's compile instead
+    of before it. Tracing and lowering run with the garbage collector paused
+    (`cyclic_collection_deferred`).
+    """
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        with cyclic_collection_deferred():
+            traced_init = trace_init()
+            futures = {name: pool.submit(lower().compile)
+                       for name, lower in lowerings_from_state(traced_init.out_info).items()}
+            futures["init"] = pool.submit(traced_init.lower().compile, sharding.run_once_compiler_options(mesh))
+        return {name: future.result() for name, future in futures.items()}
 
 
 def compile_programs(experiment: Experiment) -> Programs:
@@ -427,15 +426,15 @@ def compile_programs(experiment: Experiment) -> Programs:
     inputs = experiment.shard_inputs()
     every_updates = experiment.config.eval.every_updates
 
-    def lower_from_state(state: TrainState) -> dict[str, Any]:
-        lowered = {"learn": experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))}
+    def lowerings_from_state(state: TrainState) -> dict[str, Callable[[], jax.stages.Lowered]]:
+        lowerings = {"learn": lambda: experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))}
         if every_updates:
-            lowered["eval"] = experiment.eval_fn().lower(
+            lowerings["eval"] = lambda: experiment.eval_fn().lower(
                 state.params, state.obs_moments, state.update_index, inputs
             )
-        return lowered
+        return lowerings
 
-    compiled = lower_and_compile(experiment.mesh, lambda: experiment.init_fn().lower(inputs), lower_from_state)
+    compiled = lower_and_compile(experiment.mesh, lambda: experiment.init_fn().trace(inputs), lowerings_from_state)
     periodic_eval = None
     if every_updates:
         periodic_eval = PeriodicEval(every_updates, compiled["eval"], inputs)

@@ -25,7 +25,7 @@ from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.logging import truncate_metrics
 from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
-from jaxddppo.train import Experiment, NonFiniteError, build, chunk_plan, run, update_count
+from jaxddppo.train import Experiment, NonFiniteError, all_finite, build, chunk_plan, run, update_count
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,6 +201,21 @@ def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_pat
     policy = load_policy(str(run_dir))
     assert policy.counters.update == 4
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(policy.params))
+
+
+def test_all_finite_finds_one_non_finite_element_in_any_leaf():
+    """The leaves are tested laid end to end: every element of every leaf counts, whatever
+    its shape or floating dtype."""
+    leaves = [np.ones((3, 4), np.float32), np.zeros(4, np.float32), np.ones((), jnp.bfloat16),
+              np.full((2, 1), 1e38, np.float32)]
+    assert bool(jax.jit(all_finite)({"leaves": leaves}))
+    for index, leaf in enumerate(leaves):
+        for position in (0, leaf.size - 1):
+            for bad in (np.nan, np.inf, -np.inf):
+                poisoned = leaf.copy().reshape(-1)
+                poisoned[position] = bad
+                tree = {"leaves": [*leaves[:index], poisoned.reshape(leaf.shape), *leaves[index + 1:]]}
+                assert not bool(jax.jit(all_finite)(tree)), (index, position, bad)
 
 
 def test_chunk_reports_whether_its_parameters_are_finite():

@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -336,6 +337,41 @@ def test_programs_are_lowered_with_the_collector_paused(monkeypatch):
     train.compile_programs(experiment)
     assert seen == [False]
     assert gc.isenabled()
+
+
+def test_the_chunk_compiles_while_the_initialisation_is_lowered(monkeypatch):
+    """lower_and_compile lowers the chunk from the traced initialisation's output shapes and
+    starts its compile before it lowers the initialisation (which then compiles with the
+    run-once options): the initialisation's lowering waits here until the chunk's compile
+    has started, which, lowered first, would time out."""
+    monkeypatch.setattr(sharding, "run_once_compiler_options", lambda mesh: {"run_once": True})
+    events, learn_compiling = [], threading.Event()
+
+    class Program:
+        def __init__(self, name):
+            self.name = name
+
+        def compile(self, options=None):
+            events.append(f"compile {self.name} {options}")
+            if self.name == "learn":
+                learn_compiling.set()
+            return self.name
+
+    class TracedInit:
+        out_info = "state shapes"
+
+        def lower(self):
+            events.append(f"lower init, chunk compiling: {learn_compiling.wait(timeout=30)}")
+            return Program("init")
+
+    def lowerings(state):
+        events.append(f"lowerings from {state}")
+        return {"learn": lambda: events.append("lower learn") or Program("learn")}
+
+    compiled = train.lower_and_compile(None, TracedInit, lowerings)
+    assert compiled == {"learn": "learn", "init": "init"}
+    assert events == ["lowerings from state shapes", "lower learn", "compile learn None",
+                      "lower init, chunk compiling: True", "compile init {'run_once': True}"]
 
 
 # --- run.cpu_threads -------------------------------------------------------------------------------
