@@ -189,7 +189,7 @@ def run_once_compiler_options(mesh: Mesh) -> dict[str, Any]:
     program called once never pays back, and XLA's older kernel emitter, quicker to
     compile small kernels than its fusion emitters. On one device the CartPole
     initialisation compiles in 1.2-1.3 s instead of 1.9-2.0 s with the preset (1.8-2.0
-    against 2.9-3.1 CPU seconds); since its hashes moved to the host, in 0.23-0.24 s with
+    against 2.9-3.1 CPU seconds); since its hashes moved to the host, in 0.23-0.28 s with
     the older emitter against 0.29-0.38 s without (0.35-0.48 against 0.45-0.63 CPU
     seconds). Either way it computes the same bits: tests/test_sharding.py compares the
     initial states. On other platforms: no options.

@@ -320,8 +320,8 @@ def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
 def all_finite(tree: Any) -> jax.Array:
     """Whether every element of every leaf of `tree` is finite: a bool scalar.
 
-    One test over the leaves laid end to end: a test per leaf compiled into a kernel or
-    two per parameter shape (10 more kernels in the CartPole chunk)."""
+    One test over the leaves laid end to end: tested leaf by leaf, the check compiled into
+    one or two kernels per parameter shape (10 kernels more in the CartPole chunk)."""
     return jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(tree)])))
 
 

@@ -364,9 +364,13 @@ def test_the_chunk_compiles_while_the_initialisation_is_lowered(monkeypatch):
             events.append(f"lower init, chunk compiling: {learn_compiling.wait(timeout=30)}")
             return Program("init")
 
+    def lower_learn():
+        events.append("lower learn")
+        return Program("learn")
+
     def lowerings(state):
         events.append(f"lowerings from {state}")
-        return {"learn": lambda: events.append("lower learn") or Program("learn")}
+        return {"learn": lower_learn}
 
     compiled = train.lower_and_compile(None, TracedInit, lowerings)
     assert compiled == {"learn": "learn", "init": "init"}
