@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.flatten_util import ravel_pytree
 
 from jaxddppo import prng
 from jaxddppo.acting import policy_step, prepare_observations
@@ -93,7 +94,7 @@ class TrainState:
     """Everything one shard carries between updates."""
 
     params: Any
-    opt_state: Any
+    opt_state: Any  # the optimizer's, over the parameters laid end to end (`optimizer_state`)
     rollout: RolloutState
     key: jax.Array  # this shard's key; each update folds in its index
     update_index: jax.Array  # int32, updates done so far
@@ -193,12 +194,25 @@ def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings:
 
 
 def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
-    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
+    """Global-norm clipping, then Adam, then the (annealed) learning rate, over one vector:
+    the parameters (and gradients) laid end to end, as `ravel_pytree` lays them.
+
+    One vector instead of a tree of a dozen leaves: the compiled update has no kernels per
+    leaf for the moments, the step and the norm (the small config's chunk: 254 fusions
+    against 303), and the minibatch's gradients travel in one all-reduce. The arithmetic
+    is Adam's, element by element (tests/test_maths.py compares it with a float64
+    reference); only the norm's summation order is its own.
+    """
     return optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
         optax.scale_by_adam(eps=hyperparams.adam_eps),
         optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
     )
+
+
+def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
+    """The optimizer's initial state for `params`."""
+    return make_optimizer(hyperparams, settings).init(ravel_pytree(params)[0])
 
 
 def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) -> jax.Array:
@@ -218,15 +232,16 @@ def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) ->
 
 def shard_gradients(
     params: Any, minibatch: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool
-) -> tuple[Any, LossInfo]:
-    """Gradient of the global minibatch: each shard's local gradient, averaged over all shards.
+) -> tuple[jax.Array, LossInfo]:
+    """Gradient of the global minibatch, laid end to end as `ravel_pytree(params)` lays the
+    parameters: each shard's local gradient, averaged over all shards in one all-reduce.
 
     `jax.grad` is taken of the local loss and the gradients are then averaged:
     under `shard_parallel` (pmap semantics) grad of a pmean'd loss would be local.
     The returned loss info is this shard's own (average it over shards once per update).
     """
     grads, info = jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value)
-    grads = pmean_over_shards(grads)
+    grads = pmean_over_shards(ravel_pytree(grads)[0])
     return grads, info.replace(grad_norm=optax.tree.norm(grads))
 
 
@@ -287,7 +302,11 @@ def run_epochs(
     """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info.
 
     Feed-forward minibatches are random samples; recurrent ones are random whole
-    environment sequences (truncated BPTT over the rollout).
+    environment sequences (truncated BPTT over the rollout). The steps carry the
+    parameters laid end to end, as the optimizer sees them: stepping them there, rather
+    than leaf by leaf, keeps a population's actor and critic products running side by
+    side on XLA's CPU threads (32 seeds on one device: 1.00-1.09 x the old layout's steps/s,
+    against 0.87-1.05 x when the step was applied to each leaf).
     """
     if settings.recurrent:
         indices = sequence_indices(key, settings)
@@ -301,20 +320,21 @@ def run_epochs(
             advantages = batch.advantage[indices]
         take = take_samples
     optimizer = make_optimizer(hyperparams, settings)
+    flat_params, unravel = ravel_pytree(params)
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
-        params, opt_state = carry
+        flat_params, opt_state = carry
         index, advantage = xs
         minibatch = take(batch, index).replace(advantage=advantage)
-        grads, info = shard_gradients(params, minibatch, apply_fn, hyperparams, settings.clip_value)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), info
+        grads, info = shard_gradients(unravel(flat_params), minibatch, apply_fn, hyperparams, settings.clip_value)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return (flat_params + updates, opt_state), info
 
     def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         return jax.lax.scan(minibatch_step, carry, xs)
 
-    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), (indices, advantages))
-    return params, opt_state, jax.tree.map(jnp.mean, infos)
+    (flat_params, opt_state), infos = jax.lax.scan(epoch, (flat_params, opt_state), (indices, advantages))
+    return unravel(flat_params), opt_state, jax.tree.map(jnp.mean, infos)
 
 
 def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: jax.Array) -> Batch:
@@ -483,7 +503,7 @@ def init_train_state(
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
     params = initial_params(seed, network, obs, key_impl) if params is None else params
-    opt_state = make_optimizer(hyperparams, settings).init(params)
+    opt_state = optimizer_state(params, hyperparams, settings)
     rollout = RolloutState(env_state, obs)
     if network.recurrent:
         rollout = rollout.replace(

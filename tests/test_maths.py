@@ -25,7 +25,10 @@ import pytest
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import make_env
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo.ppo import Batch, LossInfo, PPOHyperparams, ppo_loss
+from jaxddppo import sharding
+from jaxddppo.ppo import (
+    Batch, LossInfo, PPOHyperparams, UpdateSettings, minibatch_indices, optimizer_state, ppo_loss, run_epochs,
+)
 from jaxddppo.rollout import gae
 
 RTOL = 1e-5
@@ -422,6 +425,76 @@ def test_ppo_loss_unjitted_call():
     np.testing.assert_allclose(float(loss), ref_loss, rtol=RTOL, atol=ATOL)
     for name, expected in ref_parts.items():
         np.testing.assert_allclose(float(getattr(info, name)), expected, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+ADAM_B1, ADAM_B2 = 0.9, 0.999  # optax.scale_by_adam's defaults
+
+
+def sample_indexed_apply(params, obs):
+    """The tabular "network" again, one row per sample: obs[:, 0] is the sample's row."""
+    rows = obs[:, 0].astype(jnp.int32)
+    return Categorical(params["logits"][rows]), params["values"][rows]
+
+
+def clipped_adam_reference(params, batch, minibatches, learning_rate, max_grad_norm, adam_eps):
+    """Float64 minibatch SGD with global-norm clipping and Adam, leaf by leaf; returns the
+    final parameters and each step's gradient norm before clipping."""
+    params = {name: np.asarray(value, np.float64) for name, value in params.items()}
+    first = {name: np.zeros_like(value) for name, value in params.items()}
+    second = {name: np.zeros_like(value) for name, value in params.items()}
+    norms = []
+    for step, rows in enumerate(minibatches, start=1):
+        minibatch = {name: np.asarray(value)[rows] for name, value in batch.items()}
+        grad_logits, grad_values = grad_reference(params["logits"][rows], params["values"][rows], minibatch, True)
+        grads = {"logits": np.zeros_like(params["logits"]), "values": np.zeros_like(params["values"])}
+        grads["logits"][rows], grads["values"][rows] = grad_logits, grad_values
+        norm = math.sqrt(sum(float(np.sum(g ** 2)) for g in grads.values()))
+        norms.append(norm)
+        scale = 1.0 if norm < max_grad_norm else max_grad_norm / norm
+        for name, grad in grads.items():
+            first[name] = ADAM_B1 * first[name] + (1 - ADAM_B1) * grad * scale
+            second[name] = ADAM_B2 * second[name] + (1 - ADAM_B2) * (grad * scale) ** 2
+            first_hat = first[name] / (1 - ADAM_B1 ** step)
+            second_hat = second[name] / (1 - ADAM_B2 ** step)
+            params[name] = params[name] - learning_rate * first_hat / (np.sqrt(second_hat) + adam_eps)
+    return params, norms
+
+
+def test_minibatch_steps_are_clipped_adam_over_every_parameter():
+    """`run_epochs` (Adam over the parameters laid end to end) against leaf-by-leaf float64
+    Adam after global-norm clipping: 2 epochs x 2 minibatches of the loss problem, some
+    steps clipped and some not."""
+    params, batch_np = make_loss_problem()
+    batch_np["obs"] = np.arange(8, dtype=np.float32)[:, None]
+    learning_rate, max_grad_norm, adam_eps = 0.05, 0.25, 1e-5
+    hp = hyperparams().replace(learning_rate=jnp.float32(learning_rate), max_grad_norm=jnp.float32(max_grad_norm),
+                               adam_eps=jnp.float32(adam_eps))
+    settings = UpdateSettings(
+        num_steps=8, num_epochs=2, num_minibatches=2, minibatch_size=4, num_shards=1, num_updates=1,
+        clip_value=True, normalize_advantages=False, anneal_lr=False, num_envs=1, recurrent=False,
+        critic_after_steps=False, normalize_observations=False, scale_rewards=False,
+    )
+    key = jax.random.key(3)
+    jparams = jax.tree.map(jnp.asarray, params)
+
+    def per_shard(batch):
+        opt_state = optimizer_state(jparams, hp, settings)
+        return run_epochs(jparams, opt_state, batch, key, sample_indexed_apply, hp, settings)
+
+    batch = Batch(**{name: jnp.asarray(value)[None] for name, value in batch_np.items()})
+    mesh = sharding.make_mesh(jax.devices()[:1])
+    new_params, _, info = sharding.first_shard(sharding.shard_parallel(per_shard, mesh)(batch))
+
+    minibatches = np.asarray(minibatch_indices(key, settings)).reshape(4, 4)
+    expected, norms = clipped_adam_reference(params, batch_np, minibatches, learning_rate, max_grad_norm, adam_eps)
+    assert min(norms) < max_grad_norm < max(norms), norms  # clipped and unclipped steps both
+    np.testing.assert_allclose(float(info.grad_norm), np.mean(norms), rtol=1e-5)
+    for name in ("logits", "values"):
+        moved = np.abs(expected[name] - params[name]).max()
+        assert moved > 0.05, (name, moved)  # steps large enough for a wrong update to show
+        np.testing.assert_allclose(np.asarray(new_params[name]), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 # --------------------------------------------------------------------------- distributions
