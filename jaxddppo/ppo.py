@@ -303,10 +303,8 @@ def run_epochs(
 
     Feed-forward minibatches are random samples; recurrent ones are random whole
     environment sequences (truncated BPTT over the rollout). The steps carry the
-    parameters laid end to end, as the optimizer sees them: stepping them there, rather
-    than leaf by leaf, keeps a population's actor and critic products running side by
-    side on XLA's CPU threads (32 seeds on one device: 1.00-1.09 x the old layout's steps/s,
-    against 0.87-1.05 x when the step was applied to each leaf).
+    parameters laid end to end, as the optimizer sees them, and hand the network their
+    leaves (docs/benchmarks.md compares this with stepping each leaf).
     """
     if settings.recurrent:
         indices = sequence_indices(key, settings)

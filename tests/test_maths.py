@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxddppo import sharding
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import make_env
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo import sharding
 from jaxddppo.ppo import (
     Batch, LossInfo, PPOHyperparams, UpdateSettings, minibatch_indices, optimizer_state, ppo_loss, run_epochs,
 )
