@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.flatten_util import ravel_pytree
 
 from jaxddppo import prng, sharding
 from jaxddppo.checkpoint import (
@@ -322,7 +323,7 @@ def all_finite(tree: Any) -> jax.Array:
 
     One test over the leaves laid end to end: tested leaf by leaf, the check compiled into
     one or two kernels per parameter shape (10 kernels more in the CartPole chunk)."""
-    return jnp.all(jnp.isfinite(jnp.concatenate([jnp.ravel(leaf) for leaf in jax.tree.leaves(tree)])))
+    return jnp.all(jnp.isfinite(ravel_pytree(tree)[0]))
 
 
 def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
