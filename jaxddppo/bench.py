@@ -201,11 +201,11 @@ def run_jaxddppo(spec: dict[str, Any], seeds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="jaxddppo-bench-") as scratch:
         config = jaxddppo_config(spec, os.path.join(scratch, "run"))
         if seeds:
-            result = jaxddppo.sweep(config, seeds=seeds)
+            result = jaxddppo.run_sweep(config, seeds=seeds)
             summary, run_dir = result.summary, result.run_dir
             final_return = summary["best_eval_return_mean"]  # one setting: the mean over seeds
         else:
-            result = jaxddppo.train(config)
+            result = jaxddppo.run(config)
             summary, run_dir = result.summary, result.run_dir
             final_return = summary["eval_return_mean"]
         steady_steps, steady_seconds = steady_state(os.path.join(run_dir, "metrics.jsonl"), max(seeds, 1))

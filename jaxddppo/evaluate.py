@@ -18,7 +18,7 @@ import numpy as np
 from jaxddppo.checkpoint import CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import ConfigError
-from jaxddppo.evaluation import EvalResult, evaluate_policy
+from jaxddppo.eval_episodes import EvalResult, evaluate_policy
 from jaxddppo.policy import Policy, load_policy
 from jaxddppo.train import final_eval_key
 

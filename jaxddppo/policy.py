@@ -18,11 +18,10 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.acting import policy_step
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import Config, load_resume_config
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic
+from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
 from jaxddppo.train import build
 

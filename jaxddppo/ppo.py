@@ -18,10 +18,9 @@ from flax import struct
 from jax.flatten_util import ravel_pytree
 
 from jaxddppo import prng
-from jaxddppo.acting import policy_step, prepare_observations
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic, unroll
+from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
 from jaxddppo.normalization import RunningMoments, discounted_returns, init_moments, scale, update_moments
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
 from jaxddppo.sharding import Topology, pmean_over_shards

@@ -19,7 +19,6 @@ import itertools
 import os
 import sys
 import time
-import types
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -41,8 +40,8 @@ from jaxddppo.config import (
     with_overrides,
 )
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.evaluation import EvalResult, evaluate_policy
-from jaxddppo.logging import MetricsWriter, Progress, json_safe, write_json
+from jaxddppo.eval_episodes import EvalResult, evaluate_policy
+from jaxddppo.outputs import MetricsWriter, Progress, json_safe, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import (
     PPOHyperparams,
@@ -632,16 +631,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     return 0
 
-
-class _CallableModule(types.ModuleType):
-    """`jaxddppo.sweep(config, grid, seeds)` calls `run_sweep`; the module stays a module."""
-
-    def __call__(self, config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,
-                 seeds: Optional[int] = None, **kwargs: Any) -> SweepResult:
-        return run_sweep(config, grid, seeds, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

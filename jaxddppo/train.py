@@ -13,7 +13,6 @@ import gc
 import os
 import sys
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
@@ -45,8 +44,8 @@ from jaxddppo.config import (
     to_yaml,
 )
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.evaluation import EvalStats, evaluate_on_shards, evaluate_policy
-from jaxddppo.logging import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
+from jaxddppo.eval_episodes import EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.plot import save_learning_curve
 from jaxddppo.ppo import (
@@ -563,16 +562,18 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
     return state, counters
 
 
-def run(config: Config, devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
-        stop_after_updates: Optional[int] = None) -> TrainResult:
-    """Train with `config`, writing config.yaml, metrics.jsonl, checkpoints, summary.json and
-    learning_curve.png (and TensorBoard events if asked) to the run dir.
+def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
+        resume: bool = False, stop_after_updates: Optional[int] = None) -> TrainResult:
+    """Train with `config` (a Config, a nested dict or a YAML path), writing config.yaml,
+    metrics.jsonl, checkpoints, summary.json and learning_curve.png (and TensorBoard
+    events if asked) to the run dir.
 
     With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
     its newest readable checkpoint is restored and training continues from it.
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
+    config = as_config(config)
     backend_warnings = sharding.start_backend(config)
     experiment = build(config, devices)
     topology = experiment.topology
@@ -701,16 +702,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     return PREEMPTED_EXIT_CODE if result.preempted else 0
 
-
-class _CallableModule(types.ModuleType):
-    """`jaxddppo.train(config)` calls `run`; the module stays a module."""
-
-    def __call__(self, config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
-                 resume: bool = False, stop_after_updates: Optional[int] = None) -> TrainResult:
-        return run(as_config(config), devices, resume=resume, stop_after_updates=stop_after_updates)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ from jaxddppo import sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.config import ConfigError, from_dict, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
-from jaxddppo.logging import truncate_metrics
+from jaxddppo.outputs import truncate_metrics
 from jaxddppo.normalization import normalize
 from jaxddppo.policy import load_policy
 from jaxddppo.train import Experiment, NonFiniteError, all_finite, build, chunk_plan, run, update_count

@@ -26,7 +26,7 @@ import pytest
 from conftest import subprocess_env
 
 from jaxddppo.config import load_config, options
-from jaxddppo.logging import METRIC_FIELDS, SUMMARY_FIELDS
+from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK_TIMEOUT_S = 120  # a hang guard only; the failure cases take a few seconds

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from jaxddppo.config import options
-from jaxddppo.logging import METRIC_FIELDS, SUMMARY_FIELDS
+from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, SWEEP_SUMMARY_FIELDS
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding
-from jaxddppo.acting import policy_step
 from jaxddppo.config import NetworkConfig, from_dict
 from jaxddppo.envs import make_env
-from jaxddppo.evaluation import evaluate_policy
-from jaxddppo.networks import make_actor_critic
+from jaxddppo.eval_episodes import evaluate_policy
+from jaxddppo.networks import make_actor_critic, policy_step
 from jaxddppo.normalization import (
     OBS_CLIP,
     RunningMoments,

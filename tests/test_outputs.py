@@ -16,8 +16,8 @@ import pytest
 
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, from_dict
-from jaxddppo.evaluation import evaluate_policy
-from jaxddppo.logging import METRIC_FIELDS
+from jaxddppo.eval_episodes import evaluate_policy
+from jaxddppo.outputs import METRIC_FIELDS
 from jaxddppo.train import build, run
 
 # Per-shard sums, an all-reduce, then a scale: float32 reduction order only.

@@ -20,10 +20,9 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding
-from jaxddppo.acting import policy_step
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
-from jaxddppo.networks import make_actor_critic, unroll
+from jaxddppo.networks import make_actor_critic, policy_step, unroll
 from jaxddppo.ppo import (
     Batch,
     PPOHyperparams,

@@ -3,7 +3,7 @@
 - A member trains as the single run of its config (two different members).
 - sweep.csv, metrics.jsonl and curves.png hold what the docs say.
 - Structural keys are refused with one line; placement is derived and validated.
-- `jaxddppo.train` / `jaxddppo.sweep` are callable, and `python -m` still works without warnings.
+- `jaxddppo.run` / `jaxddppo.run_sweep` are the modules' functions, and `python -m` works without warnings.
 - run.cpu_devices splits the CPU into devices for a sweep started from the command line, and
   the command takes one device per core when nothing else decides the device count.
 """
@@ -55,7 +55,7 @@ NUM_SEEDS = 2
 def sweep_result(tmp_path_factory):
     """2 learning rates x 2 seeds on 2 simulated devices, through the Python API."""
     config = with_overrides(from_dict(SMALL), {"run.dir": str(tmp_path_factory.mktemp("sweep") / "run")})
-    return jaxddppo.sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS, devices=jax.devices()[:2])
+    return jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS, devices=jax.devices()[:2])
 
 
 @pytest.mark.parametrize("member", [1, 2])
@@ -310,11 +310,11 @@ def test_modules_run_with_python_m_without_warnings(tmp_path, module):
     assert f"python -m {module}" in result.stdout
 
 
-def test_train_and_sweep_are_callable_modules():
-    assert callable(jaxddppo.train) and callable(jaxddppo.sweep)
-    assert jaxddppo.train.run is run  # still the module
+def test_python_api_functions_are_the_modules_functions():
+    import jaxddppo.sweep as sweep_module
     import jaxddppo.train as train_module
 
-    assert train_module is jaxddppo.train
+    assert jaxddppo.run is train_module.run and jaxddppo.run_sweep is sweep_module.run_sweep
+    assert not callable(train_module) and not callable(sweep_module)  # plain modules
     with pytest.raises(ConfigError, match="env.num_envs"):
-        jaxddppo.train({"env": {"num_envs": 0}})
+        jaxddppo.run({"env": {"num_envs": 0}})

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.acting import policy_step
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic
+from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
 from jaxddppo.sharding import pmean_over_shards
 
@@ -54,7 +53,7 @@ def evaluate_policy(
 ) -> EvalResult:
     """Run `num_episodes` environments with the policy's mode until each ends its first episode.
 
-    The policy acts as in training (`acting.policy_step`): observations
+    The policy acts as in training (`networks.policy_step`): observations
     normalised by `obs_moments` if given, recurrent carry from fresh episodes.
     Episodes that reach the time limit count as ended. Jittable.
     """
