@@ -23,10 +23,19 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 CHECKPOINT_SUBDIR = "checkpoints"
+# The layout of the saved state, recorded beside the counters. 2: the optimizer state
+# follows the parameter tree. Checkpoints without it (jaxddppo before format 2 kept the
+# optimizer state over the parameters laid end to end) are refused.
+CHECKPOINT_FORMAT = 2
+_FORMAT_KEY = "checkpoint_format"
 
 
 class CheckpointError(Exception):
     """No usable checkpoint; the message is one line naming the directory."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint written in another layout than this version reads; the message is one line."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class Checkpointer:
             counters.update,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
-                counters=ocp.args.JsonSave(asdict(counters)),
+                counters=ocp.args.JsonSave({**asdict(counters), _FORMAT_KEY: CHECKPOINT_FORMAT}),
             ),
             force=True,
         )
@@ -88,14 +97,17 @@ class Checkpointer:
         """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings)."""
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
+        counters = dict(self._manager.restore(step, args=ocp.args.Composite(counters=ocp.args.JsonRestore()))["counters"])
+        written_format = counters.pop(_FORMAT_KEY, 1)
+        if written_format != CHECKPOINT_FORMAT:
+            raise CheckpointFormatError(
+                f"checkpoint {os.path.join(self.directory, str(step))} has format {written_format}, this jaxddppo "
+                f"reads format {CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
+            )
         restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                counters=ocp.args.JsonRestore(),
-            ),
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         )
-        return restored["state"], RunCounters(**restored["counters"])
+        return restored["state"], RunCounters(**counters)
 
     def restore_latest(self, abstract_state: Any, report: Callable[[str], None],
                        set_aside: bool = False) -> tuple[Any, RunCounters]:
@@ -112,6 +124,8 @@ class Checkpointer:
             for step in reversed(steps):
                 try:
                     return self.restore(step, abstract_state)
+                except CheckpointFormatError:
+                    raise
                 except Exception as error:  # orbax and tensorstore raise many types for damaged files
                     unreadable.append(step)
                     detail = " ".join(str(error).split())[:160]

@@ -16,12 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo import prng
 from jaxddppo.config import ConfigError
-
-# Every program jaxddppo compiles steps environments, so they all get the faster
-# CPU lowering of the Threefry hash (the same bits).
-prng.install()
 
 UNSUPPORTED_ENVS = {
     "MNISTBandit-bsuite": "it downloads MNIST when created",
@@ -113,10 +108,6 @@ class BatchedEnv:
     def reset(self, key: jax.Array, num_envs: int) -> tuple[jax.Array, EpisodeState]:
         keys = jax.random.split(key, num_envs)
         obs, env_state = jax.vmap(self._env.reset, in_axes=(0, None))(keys, self._params)
-        # gymnax builds some fields from Python numbers (weakly typed arrays); the rollout
-        # carries the state packed into strongly typed arrays, so the state a chunk returns
-        # must have the types it was given, or the next chunk would compile anew.
-        env_state = jax.tree.map(lambda leaf: jax.lax.convert_element_type(leaf, leaf.dtype), env_state)
         zeros = jnp.zeros((num_envs,), jnp.float32)
         state = EpisodeState(env_state, zeros, jnp.zeros((num_envs,), jnp.int32))
         return self._to_obs(obs), state

@@ -90,45 +90,6 @@ class DiagGaussian:
 Distribution = Categorical | DiagGaussian
 
 
-@jax.custom_vjp
-def _dense_product(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    """inputs [..., in] @ kernel [in, out], as `nn.Dense` computes it; only the kernel's
-    gradient is computed differently (`_dense_product_backward`)."""
-    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
-
-
-def _dense_product_forward(inputs: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _dense_product(inputs, kernel), (inputs, kernel)
-
-
-def _dense_product_backward(
-    residuals: tuple[jax.Array, jax.Array], output_grad: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """The kernel's gradient inputs^T @ output_grad sums over the samples, the first axis
-    of both operands. XLA's CPU backend hands such a product to Eigen, slower here than
-    the YNNPACK kernels it uses when the left operand is laid out [in, samples]
-    (docs/benchmarks.md); on CPU the inputs are transposed into that layout first, behind
-    an optimisation barrier that keeps XLA from folding the transpose back into the product."""
-    inputs, kernel = residuals
-    inputs_grad = jax.lax.dot_general(output_grad, kernel, (((output_grad.ndim - 1,), (1,)), ((), ())))
-    samples = inputs.reshape(-1, inputs.shape[-1])
-    transposed = jax.lax.platform_dependent(
-        samples, cpu=lambda x: jax.lax.optimization_barrier(x.T), default=lambda x: x.T
-    )
-    kernel_grad = transposed @ output_grad.reshape(-1, output_grad.shape[-1])
-    return inputs_grad, kernel_grad
-
-
-_dense_product.defvjp(_dense_product_forward, _dense_product_backward)
-
-
-def _dense_dot_general(inputs: jax.Array, kernel: jax.Array, dimension_numbers: Any,
-                       precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
-    """`nn.Dense`'s product through `_dense_product` (Dense contracts the inputs' last axis
-    with the kernel's first; it passes no precision or element type here)."""
-    return _dense_product(inputs, kernel)
-
-
 def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
     """`nn.initializers.orthogonal(scale)` bit for bit, except that under `vmap` its QR
     factorisations run one matrix after another (`lax.map`) instead of batched.
@@ -158,8 +119,7 @@ def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
 
 
 def _dense(features: int, scale: float) -> nn.Dense:
-    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros,
-                    dot_general=_dense_dot_general)
+    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros)
 
 
 class Torso(nn.Module):

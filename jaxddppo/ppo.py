@@ -17,7 +17,6 @@ import optax
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import prng
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
@@ -93,7 +92,7 @@ class TrainState:
     """Everything one shard carries between updates."""
 
     params: Any
-    opt_state: Any  # the optimizer's, over the parameters laid end to end (`optimizer_state`)
+    opt_state: Any  # the optimizer's (`optimizer_state`)
     rollout: RolloutState
     key: jax.Array  # this shard's key; each update folds in its index
     update_index: jax.Array  # int32, updates done so far
@@ -193,15 +192,7 @@ def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings:
 
 
 def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
-    """Global-norm clipping, then Adam, then the (annealed) learning rate, over one vector:
-    the parameters (and gradients) laid end to end, as `ravel_pytree` lays them.
-
-    One vector instead of a tree of a dozen leaves: the compiled update has no kernels per
-    leaf for the moments, the step and the norm (the small config's chunk: 254 fusions
-    against 303), and the minibatch's gradients travel in one all-reduce. The arithmetic
-    is Adam's, element by element (tests/test_maths.py compares it with a float64
-    reference); only the norm's summation order is its own.
-    """
+    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
     return optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
         optax.scale_by_adam(eps=hyperparams.adam_eps),
@@ -211,7 +202,7 @@ def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> opt
 
 def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
     """The optimizer's initial state for `params`."""
-    return make_optimizer(hyperparams, settings).init(ravel_pytree(params)[0])
+    return make_optimizer(hyperparams, settings).init(params)
 
 
 def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) -> jax.Array:
@@ -231,16 +222,17 @@ def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) ->
 
 def shard_gradients(
     params: Any, minibatch: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool
-) -> tuple[jax.Array, LossInfo]:
-    """Gradient of the global minibatch, laid end to end as `ravel_pytree(params)` lays the
-    parameters: each shard's local gradient, averaged over all shards in one all-reduce.
+) -> tuple[Any, LossInfo]:
+    """Gradient of the global minibatch: each shard's local gradient, averaged over all
+    shards in one all-reduce (of the gradient's leaves laid end to end).
 
     `jax.grad` is taken of the local loss and the gradients are then averaged:
     under `shard_parallel` (pmap semantics) grad of a pmean'd loss would be local.
     The returned loss info is this shard's own (average it over shards once per update).
     """
     grads, info = jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value)
-    grads = pmean_over_shards(ravel_pytree(grads)[0])
+    flat_grads, unravel = ravel_pytree(grads)
+    grads = unravel(pmean_over_shards(flat_grads))
     return grads, info.replace(grad_norm=optax.tree.norm(grads))
 
 
@@ -262,7 +254,7 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 
 def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, envs per minibatch]: a fresh permutation of the envs per epoch."""
-    permutations = jax.vmap(lambda k: prng.permutation(k, settings.num_envs))(
+    permutations = jax.vmap(lambda k: jax.random.permutation(k, settings.num_envs))(
         jax.random.split(key, settings.num_epochs)
     )
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
@@ -283,7 +275,7 @@ def sequence_advantages(advantages: jax.Array, env_indices: jax.Array, normalize
 def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
     num_samples = settings.num_minibatches * settings.minibatch_size
-    permutations = jax.vmap(lambda k: prng.permutation(k, num_samples))(
+    permutations = jax.vmap(lambda k: jax.random.permutation(k, num_samples))(
         jax.random.split(key, settings.num_epochs)
     )
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, settings.minibatch_size)
@@ -301,9 +293,7 @@ def run_epochs(
     """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info.
 
     Feed-forward minibatches are random samples; recurrent ones are random whole
-    environment sequences (truncated BPTT over the rollout). The steps carry the
-    parameters laid end to end, as the optimizer sees them, and hand the network their
-    leaves (docs/benchmarks.md compares this with stepping each leaf).
+    environment sequences (truncated BPTT over the rollout).
     """
     if settings.recurrent:
         indices = sequence_indices(key, settings)
@@ -317,21 +307,20 @@ def run_epochs(
             advantages = batch.advantage[indices]
         take = take_samples
     optimizer = make_optimizer(hyperparams, settings)
-    flat_params, unravel = ravel_pytree(params)
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
-        flat_params, opt_state = carry
+        params, opt_state = carry
         index, advantage = xs
         minibatch = take(batch, index).replace(advantage=advantage)
-        grads, info = shard_gradients(unravel(flat_params), minibatch, apply_fn, hyperparams, settings.clip_value)
-        updates, opt_state = optimizer.update(grads, opt_state)
-        return (flat_params + updates, opt_state), info
+        grads, info = shard_gradients(params, minibatch, apply_fn, hyperparams, settings.clip_value)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), info
 
     def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         return jax.lax.scan(minibatch_step, carry, xs)
 
-    (flat_params, opt_state), infos = jax.lax.scan(epoch, (flat_params, opt_state), (indices, advantages))
-    return unravel(flat_params), opt_state, jax.tree.map(jnp.mean, infos)
+    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), (indices, advantages))
+    return params, opt_state, jax.tree.map(jnp.mean, infos)
 
 
 def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: jax.Array) -> Batch:
@@ -470,10 +459,9 @@ def make_update(
     return update
 
 
-def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array, key_impl: Any = None) -> Any:
-    """The parameters every shard of a run starts from: one key, shared by all shards.
-    `key_impl`: the implementation of that key (`prng.run_once_key_impl`; None: JAX's default)."""
-    return network.init(jax.random.fold_in(jax.random.key(seed, impl=key_impl), 0), obs)
+def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array) -> Any:
+    """The parameters every shard of a run starts from: one key, shared by all shards."""
+    return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
 
 
 def init_train_state(
@@ -485,21 +473,17 @@ def init_train_state(
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
     params: Any = None,
-    key_impl: Any = None,
 ) -> TrainState:
     """One shard's initial state. Parameters are `initial_params(seed, ...)` unless given;
     environment and update keys are folded from the global shard index.
 
     A sweep passes `params` in, computed one member at a time: XLA on CPU can hang
     running a program that initialises several members' networks at once (batched QR).
-    `key_impl` is the implementation of the keys the initialisation derives
-    (`prng.run_once_key_impl`; None: JAX's default); keys of `prng.HOST_THREEFRY` reach
-    the state as JAX's own Threefry keys with the same bits.
     """
-    root = jax.random.key(seed, impl=key_impl)
+    root = jax.random.key(seed)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = initial_params(seed, network, obs, key_impl) if params is None else params
+    params = initial_params(seed, network, obs) if params is None else params
     opt_state = optimizer_state(params, hyperparams, settings)
     rollout = RolloutState(env_state, obs)
     if network.recurrent:
@@ -509,7 +493,7 @@ def init_train_state(
         )
     if settings.scale_rewards:
         rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
-    return prng.with_default_impl(TrainState(
+    return strongly_typed(TrainState(
         params=params,
         opt_state=opt_state,
         rollout=rollout,
@@ -518,3 +502,17 @@ def init_train_state(
         obs_moments=init_moments(env.spec.obs_shape) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,
     ))
+
+
+def strongly_typed(tree: Any) -> Any:
+    """`tree` with no weakly typed leaf (same values and dtypes). An environment may build
+    its state from Python numbers; the compiled chunk is then called with the state it
+    returned, whose leaves are strongly typed, and a weak type in the first state would
+    make the second call's input types differ from the first's."""
+
+    def strong(leaf: jax.Array) -> jax.Array:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return leaf  # keys are never weakly typed
+        return jax.lax.convert_element_type(leaf, leaf.dtype)
+
+    return jax.tree.map(strong, tree)

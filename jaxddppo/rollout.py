@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -99,16 +98,9 @@ def collect_rollout(
         ended = (result.episode_return, result.episode_length, result.terminated | result.truncated)
         return next_state, (transition, ended)
 
-    pack, unpack = carried_as_one_array_per_dtype(state)
-
-    def packed_step(packed: tuple[jax.Array, ...], keys: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, ...], Any]:
-        next_state, outputs = step(unpack(packed), keys)
-        return pack(next_state), outputs
-
-    packed, (transitions, (returns, lengths, ended)) = jax.lax.scan(
-        packed_step, pack(state), step_keys(key, num_steps, state.obs.shape[0])
+    state, (transitions, (returns, lengths, ended)) = jax.lax.scan(
+        step, state, step_keys(key, num_steps, state.obs.shape[0])
     )
-    state = unpack(packed)
     if critic_after_steps:
         transitions = transitions.replace(value=policy(params, None, transitions.obs, None)[2])
     if not recurrent:
@@ -119,45 +111,6 @@ def collect_rollout(
         count=ended.sum().astype(jnp.float32),
     )
     return state, transitions, stats
-
-
-def carried_as_one_array_per_dtype(
-    example: Any,
-) -> tuple[Callable[[Any], tuple[jax.Array, ...]], Callable[[tuple[jax.Array, ...]], Any]]:
-    """(pack, unpack) between pytrees shaped like `example`, whose leaves are [B, ...], and
-    a tuple of [B, n] arrays, one per dtype (leaves flattened and side by side).
-
-    XLA copies every array a loop carries at the start of each iteration where the
-    step still reads the old value after computing the new one: on CartPole that was
-    nine copies of [4]-element arrays per rollout step, each a separate operation.
-    Carried as one array per dtype (float, int), the state costs about three; the
-    slices and the concatenation fuse into the operations around them. Unpacked
-    leaves are strongly typed whatever `example`'s were (`envs.BatchedEnv.reset`
-    hands out a strongly typed state for that reason).
-    """
-    leaves, treedef = jax.tree.flatten(example)
-    batch = leaves[0].shape[0]
-    shapes = [leaf.shape for leaf in leaves]
-    groups: dict[Any, list[int]] = {}
-    for index, leaf in enumerate(leaves):
-        groups.setdefault(jnp.dtype(leaf.dtype), []).append(index)
-
-    def pack(tree: Any) -> tuple[jax.Array, ...]:
-        flat = jax.tree.leaves(tree)
-        return tuple(jnp.concatenate([flat[i].reshape(batch, -1) for i in indices], axis=1)
-                     for indices in groups.values())
-
-    def unpack(packed: tuple[jax.Array, ...]) -> Any:
-        flat: list[Any] = [None] * len(shapes)
-        for array, indices in zip(packed, groups.values()):
-            offset = 0
-            for i in indices:
-                width = math.prod(shapes[i][1:])
-                flat[i] = array[:, offset:offset + width].reshape(shapes[i])
-                offset += width
-        return jax.tree.unflatten(treedef, flat)
-
-    return pack, unpack
 
 
 def step_keys(key: jax.Array, num_steps: int, num_envs: int) -> tuple[jax.Array, jax.Array]:

@@ -28,7 +28,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import xla_bridge  # backends_are_initialized: JAX has no public equivalent
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -175,28 +174,6 @@ def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, .
     """
     per_device = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
     return _jit_over_mesh(per_device, mesh, PartitionSpec(DEVICE_AXIS), donate_argnums, shared_argnums)
-
-
-def mesh_platform(mesh: Mesh) -> str:
-    """The platform of the mesh's devices ("cpu", "gpu", "tpu")."""
-    return mesh.devices.flat[0].platform
-
-
-def run_once_compiler_options(mesh: Mesh) -> dict[str, Any]:
-    """XLA options for compiling a program called once per run, such as the initialisation.
-
-    On CPU: XLA's fast-compile preset, which skips optimisations whose run time a
-    program called once never pays back, and XLA's older kernel emitter, quicker to
-    compile small kernels than its fusion emitters. On one device the CartPole
-    initialisation compiles in 1.2-1.3 s instead of 1.9-2.0 s with the preset (1.8-2.0
-    against 2.9-3.1 CPU seconds); since its hashes moved to the host, in 0.23-0.28 s with
-    the older emitter against 0.29-0.38 s without (0.35-0.48 against 0.45-0.63 CPU
-    seconds). Either way it computes the same bits: tests/test_sharding.py compares the
-    initial states. On other platforms: no options.
-    """
-    if mesh_platform(mesh) != "cpu":
-        return {}
-    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE", "xla_cpu_use_fusion_emitters": False}
 
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
@@ -410,6 +387,18 @@ def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
             time.sleep(0.25)
 
 
+def backend_started() -> bool:
+    """Whether JAX's backends have started (its devices exist), through public API: the
+    CPU device count may change only before they start, and JAX refuses another value after."""
+    count = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", -2 if count == -1 else -1)  # both mean "not set"
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", count)
+    return False
+
+
 def environment_for_own_cpu_threads(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child process that sizes its own XLA CPU thread pool: without
     PJRT_NPROC (the pool size, as `set_cpu_threads` sets it) and NPROC (the CPU count
@@ -428,7 +417,7 @@ def set_cpu_threads(cpu_threads: int) -> Optional[str]:
     if cpu_threads == 0:
         return None
     wanted = str(cpu_threads)
-    if xla_bridge.backends_are_initialized():
+    if backend_started():
         if os.environ.get("PJRT_NPROC") == wanted:
             return None
         return (f"warning: run.cpu_threads={cpu_threads} has no effect: JAX's backend started before it was "
@@ -447,7 +436,7 @@ def set_cpu_devices(cpu_devices: int) -> Optional[str]:
     """
     if cpu_devices == 0:
         return None
-    if xla_bridge.backends_are_initialized():
+    if backend_started():
         try:
             if len(jax.devices("cpu")) == cpu_devices:
                 return None
@@ -465,7 +454,7 @@ def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
     or a backend that has started already, and JAX_PLATFORMS, if set, names the CPU first."""
     distributed = config.distributed.coordinator is not None or config.distributed.auto
     decided = (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
-               or xla_bridge.backends_are_initialized())
+               or backend_started())
     platform = (environ.get("JAX_PLATFORMS") or "cpu").split(",")[0].strip()
     return not decided and platform == "cpu"
 

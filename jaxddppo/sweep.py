@@ -27,7 +27,7 @@ import numpy as np
 from flax import struct
 from matplotlib.figure import Figure
 
-from jaxddppo import prng, sharding
+from jaxddppo import sharding
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
     Config,
@@ -207,9 +207,7 @@ class Population:
     def initial_params(self) -> Any:
         """Every member's initial parameters, computed one member at a time: leaves [members, shards, ...]."""
         example_obs, _ = self.env.reset(jax.random.key(0), 1)
-        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
-        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs, key_impl),
-                       compiler_options=sharding.run_once_compiler_options(self.mesh))
+        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs))
         per_member = [jax.device_get(init(np.int32(member.seed))) for member in self.members]
         num_shards = self.placement.num_shards
         stacked = jax.tree.map(
@@ -219,12 +217,10 @@ class Population:
 
     def init_fn(self) -> Callable[[MemberInputs, Any], TrainState]:
         """`(inputs, initial_params()) -> TrainState`: every member's initial state."""
-        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
-
         def init_shard(shard: MemberInputs, params: Any) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
-                self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params, key_impl,
+                self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params,
             )
 
         return sharding.population_parallel(init_shard, self.mesh)
@@ -513,7 +509,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     params = population.initial_params()
     abstract_count = abstract_update_count(population.mesh)
     compiled = lower_and_compile(
-        population.mesh, lambda: population.init_fn().trace(inputs, params),
+        lambda: population.init_fn().trace(inputs, params),
         lambda state: {"learn": lambda: population.learn_fn().lower(state, inputs, abstract_count)},
     )
     state = compiled["init"](inputs, params)

@@ -8,12 +8,9 @@ write the summary at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -23,7 +20,7 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import prng, sharding
+from jaxddppo import sharding
 from jaxddppo.checkpoint import (
     PREEMPTED_EXIT_CODE,
     Checkpointer,
@@ -116,12 +113,11 @@ class Experiment:
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
         """`(shard_inputs) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
         topology = self.topology
-        key_impl = prng.run_once_key_impl(sharding.mesh_platform(self.mesh))
 
         def init_shard(shard: ShardInputs) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
-                topology.num_envs_per_shard, self.hyperparams, self.settings, key_impl=key_impl,
+                topology.num_envs_per_shard, self.hyperparams, self.settings,
             )
 
         return sharding.shard_parallel(init_shard, self.mesh)
@@ -379,46 +375,16 @@ class Programs:
     periodic_eval: Optional[PeriodicEval]
 
 
-@contextlib.contextmanager
-def cyclic_collection_deferred() -> Iterator[None]:
-    """Python's cyclic garbage collector paused inside the block (as it was, after).
-
-    Tracing and lowering allocate objects by the hundred thousand, which triggers
-    automatic collections, those of the oldest generation scanning every object of the
-    process, JAX's included: on the CartPole config, lowering the initialisation and the
-    chunk took a median of 0.86 s with collection paused against 1.11 s without (10
-    processes each). What the lowering leaves behind is collected at the first
-    collection after the block.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def lower_and_compile(mesh: jax.sharding.Mesh, trace_init: Callable[[], jax.stages.Traced],
+def lower_and_compile(trace_init: Callable[[], jax.stages.Traced],
                       lowerings_from_state: Callable[[Any], dict[str, Callable[[], jax.stages.Lowered]]]
                       ) -> dict[str, Any]:
     """A run's programs, compiled, by name: "init" from `trace_init()`, and the others from
-    `lowerings_from_state(state)`, which lowers them from the initialisation's output shapes
-    alone, the longest to compile first.
-
-    Each program starts compiling as soon as it is lowered, the initialisation (which runs
-    once, with `sharding.run_once_compiler_options`) last: XLA compiles without holding the
-    GIL, so the initialisation's lowering and compile run beside the chunk's compile instead
-    of before it. Tracing and lowering run with the garbage collector paused
-    (`cyclic_collection_deferred`).
-    """
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        with cyclic_collection_deferred():
-            traced_init = trace_init()
-            futures = {name: pool.submit(lower().compile)
-                       for name, lower in lowerings_from_state(traced_init.out_info).items()}
-            futures["init"] = pool.submit(traced_init.lower().compile, sharding.run_once_compiler_options(mesh))
-        return {name: future.result() for name, future in futures.items()}
+    `lowerings_from_state(state)`, which lowers them from the initialisation's output
+    shapes alone (nothing runs before every program is compiled)."""
+    traced_init = trace_init()
+    compiled = {name: lower().compile() for name, lower in lowerings_from_state(traced_init.out_info).items()}
+    compiled["init"] = traced_init.lower().compile()
+    return compiled
 
 
 def compile_programs(experiment: Experiment) -> Programs:
@@ -434,7 +400,7 @@ def compile_programs(experiment: Experiment) -> Programs:
             )
         return lowerings
 
-    compiled = lower_and_compile(experiment.mesh, lambda: experiment.init_fn().trace(inputs), lowerings_from_state)
+    compiled = lower_and_compile(lambda: experiment.init_fn().trace(inputs), lowerings_from_state)
     periodic_eval = None
     if every_updates:
         periodic_eval = PeriodicEval(every_updates, compiled["eval"], inputs)

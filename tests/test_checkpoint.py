@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import host_leaves, subprocess_env
 
-from jaxddppo import sharding
+from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.config import ConfigError, from_dict, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
@@ -187,6 +187,29 @@ def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == f"error: none of the 1 checkpoint(s) in {run_dir / 'checkpoints'} can be read", lines
     assert "is unreadable, skipped" in lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("written_format", ["absent", 1])
+def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
+    """Checkpoints of jaxddppo before format 2 (no format recorded: the optimizer state over
+    the parameters laid end to end) are refused by --resume with one line and exit 2, and
+    left as they were (not set aside as unreadable)."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        if written_format == "absent":
+            patch.setattr(checkpoint, "_FORMAT_KEY", "not_the_format_key")
+        else:
+            patch.setattr(checkpoint, "CHECKPOINT_FORMAT", written_format)
+        run(small_config(run_dir), devices=jax.devices()[:1], stop_after_updates=4)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.train", "--resume", str(run_dir)],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format 1, this jaxddppo reads format 2 only "
+        "(the version that wrote it can still read it); start a new run")
+    assert "Traceback" not in result.stderr
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
 def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path):

@@ -1,5 +1,7 @@
-"""Every supported gymnax environment runs a jitted rollout with its default network."""
+"""Every supported gymnax environment runs a jitted rollout with its default network; the rollout
+carries whatever state pytree an environment returns."""
 
+import dataclasses
 import re
 
 import jax
@@ -7,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo.config import NetworkConfig
+from jaxddppo.config import NetworkConfig, from_dict
 from jaxddppo.envs import available_env_ids, make_env
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.rollout import RolloutState, carried_as_one_array_per_dtype, collect_rollout
+from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.train import build, update_count
 
 NUM_ENVS, NUM_STEPS = 3, 4
 
@@ -41,22 +44,54 @@ def test_rollout_runs_on_every_environment(env_id):
     assert float(stats.count) >= 0
 
 
-def test_rollout_carry_packs_one_array_per_dtype_and_back():
-    rng = np.random.default_rng(0)
-    tree = {
-        "return": rng.normal(size=(3,)).astype(np.float32),
-        "grid": rng.integers(-5, 5, size=(3, 2, 2)).astype(np.int32),
-        "done": np.array([True, False, True]),
-        "obs": rng.normal(size=(3, 4)).astype(np.float32),
-    }
-    pack, unpack = carried_as_one_array_per_dtype(tree)
-    packed = jax.jit(pack)(tree)
-    assert sorted((array.dtype.name, array.shape) for array in packed) == [
-        ("bool", (3, 1)), ("float32", (3, 5)), ("int32", (3, 4))]
-    restored = jax.jit(unpack)(packed)
-    for name, value in tree.items():
-        assert restored[name].dtype == value.dtype and restored[name].shape == value.shape, name
-        np.testing.assert_array_equal(np.asarray(restored[name]), value, err_msg=name)
+class CountingCartPole:
+    """CartPole whose state is a dict holding gymnax's state and a weakly typed float
+    count of steps, as an environment built from Python numbers may return."""
+
+    def __init__(self):
+        self.inner = make_env("CartPole-v1")
+        self.spec = self.inner.spec
+
+    def reset(self, key, num_envs):
+        obs, state = self.inner.reset(key, num_envs)
+        count = jax.lax.broadcast(0.0, (num_envs,))  # a Python float: weakly typed
+        return obs, state.replace(env_state={"gymnax": state.env_state, "count": count})
+
+    def step_with_keys(self, keys, state, action):
+        inner = state.replace(env_state=state.env_state["gymnax"])
+        inner, result = self.inner.step_with_keys(keys, inner, action)
+        count = state.env_state["count"] + 1.0
+        return inner.replace(env_state={"gymnax": inner.env_state, "count": count}), result
+
+
+def test_rollout_carries_any_environment_state_weak_types_included():
+    env = CountingCartPole()
+    network = make_actor_critic(NetworkConfig(hidden_sizes=(8,)), env.spec)
+    obs, env_state = env.reset(jax.random.key(0), NUM_ENVS)
+    assert jax.typeof(env_state.env_state["count"]).weak_type
+    params = network.init(jax.random.key(1), obs)
+    rollout = jax.jit(lambda state, key: collect_rollout(env, network.step, params, state, key, NUM_STEPS))
+    state = RolloutState(env_state, obs)
+    for _ in range(2):
+        state, transitions, _ = rollout(state, jax.random.key(2))
+    np.testing.assert_array_equal(state.env.env_state["count"], np.full(NUM_ENVS, 2.0 * NUM_STEPS))
+    assert jax.tree.structure(state) == jax.tree.structure(RolloutState(env_state, obs))
+    assert transitions.obs.shape == (NUM_STEPS, NUM_ENVS) + env.spec.obs_shape
+
+
+def test_a_chunk_takes_the_state_it_returns_when_the_environment_state_is_weakly_typed():
+    """The compiled chunk is called with the state it returned: the initial state must
+    have the same (strong) types, or the second call would not match the compiled program."""
+    config = from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
+                        "train": {"total_env_steps": 16, "updates_per_chunk": 1}})
+    experiment = dataclasses.replace(build(config, jax.devices()[:1]), env=CountingCartPole())
+    state = experiment.init_state()
+    one = update_count(experiment.mesh, 1)
+    learn = experiment.learn_fn().lower(state, one).compile()
+    for _ in range(2):
+        state, metrics, finite = learn(state, one)
+    assert bool(np.all(finite))
+    np.testing.assert_array_equal(np.asarray(state.rollout.env.env_state["count"]), np.full((1, 2), 8.0))
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])

@@ -366,8 +366,7 @@ def mlp_gradients_float64(params, obs, logits_grad, value_grad):
 
 
 def test_network_gradients_match_float64_backpropagation():
-    """The MLP's parameter gradients, whose kernel products are computed from transposed
-    inputs (networks._dense_product), against NumPy float64; observations [T, B, obs] as
+    """The MLP's parameter gradients against NumPy float64; observations [T, B, obs] as
     in a rollout, jitted and under the shard vmap."""
     network = make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), make_env("CartPole-v1").spec)
     rng = np.random.default_rng(3)
@@ -463,8 +462,7 @@ def clipped_adam_reference(params, batch, minibatches, learning_rate, max_grad_n
 
 
 def test_minibatch_steps_are_clipped_adam_over_every_parameter():
-    """`run_epochs` (Adam over the parameters laid end to end) against leaf-by-leaf float64
-    Adam after global-norm clipping: 2 epochs x 2 minibatches of the loss problem, some
+    """`run_epochs` against leaf-by-leaf float64 Adam after global-norm clipping: 2 epochs x 2 minibatches of the loss problem, some
     steps clipped and some not."""
     params, batch_np = make_loss_problem()
     batch_np["obs"] = np.arange(8, dtype=np.float32)[:, None]

@@ -9,12 +9,10 @@
   seed is an argument of the programs, so every seed shares them.
 """
 
-import gc
 import json
 import re
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import jax
@@ -22,9 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env
-from jax.flatten_util import ravel_pytree
 
-from jaxddppo import prng, sharding, train
+from jaxddppo import sharding, train
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
@@ -96,8 +93,8 @@ def test_shard_gradients_equal_single_shard_gradient(gradient_setup, num_shards,
     # Each shard reports its own loss; their mean is the global minibatch's loss.
     np.testing.assert_allclose(info.policy_loss.mean(), reference_info.policy_loss[0], rtol=1e-5, atol=1e-7)
     # Plain SGD (no Adam to hide a scale error): the same step from the same parameters.
-    params = ravel_pytree(gradient_setup[1])[0]  # the gradients are laid end to end the same way
-    sgd = lambda g: params - 0.1 * g
+    params = gradient_setup[1]
+    sgd = lambda g: jax.tree.map(lambda p, x: p - 0.1 * x, params, g)
     assert relative_l2(sgd(grads), sgd(reference_grads)) < GRADIENT_RTOL
 
 
@@ -230,43 +227,7 @@ def test_minibatch_advantages_normalised_over_all_shards():
     np.testing.assert_allclose(result, (gathered - mean) / (std + 1e-8), rtol=1e-4, atol=1e-4)
 
 
-# --- programs that run once ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("experiment_yaml", ["cartpole.yaml", "memory_chain.yaml", "pendulum.yaml"])
-def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
-    """The initialisation compiled with `run_once_compiler_options` (a feed-forward, a
-    recurrent and a continuous-action network) gives every leaf of the initial state
-    bit for bit as the default compilation does."""
-    experiment = build(load_config(str(REPO_ROOT / "experiments" / experiment_yaml)), jax.devices()[:1])
-    lowered = experiment.init_fn().lower(experiment.shard_inputs())
-    default = lowered.compile()(experiment.shard_inputs())
-    run_once = lowered.compile(sharding.run_once_compiler_options(experiment.mesh))(experiment.shard_inputs())
-    assert jax.tree.structure(run_once) == jax.tree.structure(default)
-    for run_once_leaf, default_leaf in zip(host_leaves(run_once), host_leaves(default), strict=True):
-        np.testing.assert_array_equal(run_once_leaf, default_leaf)
-
-
-@pytest.mark.parametrize("experiment_yaml, num_devices", [
-    ("cartpole.yaml", 1), ("cartpole.yaml", 2), ("memory_chain.yaml", 1), ("pendulum.yaml", 1),
-    ("breakout_minatar.yaml", 1),
-])
-def test_keys_hashed_on_host_give_the_same_initial_state(experiment_yaml, num_devices, monkeypatch):
-    """On CPU the initialisation derives its keys with `prng.run_once_key_impl`, hashed in
-    host callbacks; every leaf of the initial state (parameters, environment state, the
-    update key and its implementation) is bit for bit what JAX's own keys give, on one
-    device and on two (one shard each)."""
-    overrides = ["train.num_shards=2"] if num_devices == 2 else []
-    config = load_config(str(REPO_ROOT / "experiments" / experiment_yaml), overrides)
-    experiment = build(config, jax.devices()[:num_devices])
-    assert "callback" in experiment.init_fn().lower(experiment.shard_inputs()).as_text()
-    on_host = experiment.init_state()
-    monkeypatch.setattr(prng, "run_once_key_impl", lambda platform: None)
-    own = build(config, jax.devices()[:num_devices]).init_state()
-    assert jax.tree.structure(on_host) == jax.tree.structure(own)
-    assert jax.random.key_impl(on_host.key) == jax.random.key_impl(own.key)
-    for on_host_leaf, own_leaf in zip(host_leaves(on_host), host_leaves(own), strict=True):
-        np.testing.assert_array_equal(on_host_leaf, own_leaf)
-
+# --- the initialisation ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("experiment_yaml, overrides, num_devices", [
     ("cartpole.yaml", ["train.num_shards=4"], 2),
@@ -287,96 +248,6 @@ def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrid
     assert len(matrices) >= 2
     for matrix in matrices:
         assert len(matrix.split("x")) == 3, f"a batched LAPACK call on tensor<{matrix}>"  # rows x columns x type
-
-
-def test_initialisation_is_compiled_with_the_run_once_options(monkeypatch):
-    """compile_programs hands the run-once options to XLA with the initialisation:
-    a preset XLA does not know fails the compilation and is named in the error."""
-    monkeypatch.setattr(sharding, "run_once_compiler_options", lambda mesh: {"xla_cpu_opt_preset": "NO_SUCH_PRESET"})
-    experiment = build(from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
-                                  "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
-    with pytest.raises(Exception, match="NO_SUCH_PRESET"):
-        train.compile_programs(experiment)
-
-
-@pytest.mark.parametrize("enabled_before", [True, False])
-def test_cyclic_collection_is_paused_in_the_block_and_restored_after(enabled_before):
-    """Inside the block the collector is off; after it, on success or on an error, it is
-    as it was before (a caller who had switched it off keeps it off)."""
-    (gc.enable if enabled_before else gc.disable)()
-    try:
-        with train.cyclic_collection_deferred():
-            assert not gc.isenabled()
-        assert gc.isenabled() == enabled_before
-        with pytest.raises(ValueError):
-            with train.cyclic_collection_deferred():
-                raise ValueError("lowering failed")
-        assert gc.isenabled() == enabled_before
-    finally:
-        gc.enable()
-
-
-def test_programs_are_lowered_with_the_collector_paused(monkeypatch):
-    """compile_programs traces the chunk of updates with Python's cyclic collector off and
-    switches it back on before returning."""
-    seen = []
-    real_learn_fn = train.Experiment.learn_fn
-
-    def learn_fn(self):
-        learn = real_learn_fn(self)
-
-        def traced(*args):
-            seen.append(gc.isenabled())
-            return learn(*args)
-
-        return jax.jit(traced, donate_argnums=(0,))
-
-    monkeypatch.setattr(train.Experiment, "learn_fn", learn_fn)
-    experiment = build(from_dict({"env": {"num_envs": 2}, "ppo": {"num_steps": 4, "num_epochs": 1, "num_minibatches": 1},
-                                  "train": {"total_env_steps": 8, "updates_per_chunk": 1}}), jax.devices()[:1])
-    gc.enable()
-    train.compile_programs(experiment)
-    assert seen == [False]
-    assert gc.isenabled()
-
-
-def test_the_chunk_compiles_while_the_initialisation_is_lowered(monkeypatch):
-    """lower_and_compile lowers the chunk from the traced initialisation's output shapes and
-    starts its compile before it lowers the initialisation (which then compiles with the
-    run-once options): the initialisation's lowering waits here until the chunk's compile
-    has started, which, lowered first, would time out."""
-    monkeypatch.setattr(sharding, "run_once_compiler_options", lambda mesh: {"run_once": True})
-    events, learn_compiling = [], threading.Event()
-
-    class Program:
-        def __init__(self, name):
-            self.name = name
-
-        def compile(self, options=None):
-            events.append(f"compile {self.name} {options}")
-            if self.name == "learn":
-                learn_compiling.set()
-            return self.name
-
-    class TracedInit:
-        out_info = "state shapes"
-
-        def lower(self):
-            events.append(f"lower init, chunk compiling: {learn_compiling.wait(timeout=30)}")
-            return Program("init")
-
-    def lower_learn():
-        events.append("lower learn")
-        return Program("learn")
-
-    def lowerings(state):
-        events.append(f"lowerings from {state}")
-        return {"learn": lower_learn}
-
-    compiled = train.lower_and_compile(None, TracedInit, lowerings)
-    assert compiled == {"learn": "learn", "init": "init"}
-    assert events == ["lowerings from state shapes", "lower learn", "compile learn None",
-                      "lower init, chunk compiling: True", "compile init {'run_once': True}"]
 
 
 # --- run.cpu_threads -------------------------------------------------------------------------------

@@ -289,7 +289,7 @@ def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
     ({}, {"JAX_PLATFORMS": "tpu"}, 0),
 ])
 def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, environ, expected):
-    monkeypatch.setattr(sharding.xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(sharding, "backend_started", lambda: False)
     config = with_overrides(from_dict(SMALL), overrides)
     chosen = with_cpu_device_per_core(config, 32, 2, environ)
     assert chosen.run.cpu_devices == expected

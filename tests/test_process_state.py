@@ -1,0 +1,88 @@
+"""jaxddppo is a library imported into other people's programs: importing it, training
+and sweeping leave JAX and the process as they were, and the package uses public JAX only.
+"""
+
+import json
+import re
+import subprocess
+import sys
+
+from conftest import REPO_ROOT, subprocess_env
+
+SCRIPT = r"""
+import gc, importlib, json, os, pkgutil, sys
+import jax
+# The dependencies' own import-time effects are theirs (gymnasium, under gymnax, sets
+# PYGAME_HIDE_SUPPORT_PROMPT): import them before the first snapshot.
+import flax, gymnax, matplotlib, omegaconf, optax, orbax.checkpoint, tensorboardX, tqdm
+
+gc.disable() if sys.argv[2] == "off" else gc.enable()
+thresholds = gc.get_threshold()
+CONFIG_KEYS = ("jax_num_cpu_devices", "jax_default_prng_impl", "jax_enable_x64", "jax_threefry_partitionable")
+
+
+def lowered_text():
+    def program(key):
+        keys = jax.random.split(jax.random.fold_in(key, 3), 4)
+        return jax.random.permutation(keys[0], 16), jax.random.normal(keys[1], (3,)), jax.random.categorical(
+            keys[2], jax.numpy.zeros((5, 2)))
+    return jax.jit(program).lower(jax.random.key(0)).as_text()
+
+
+def snapshot():
+    return {"text": lowered_text(), "environ": dict(os.environ), "gc": [gc.isenabled(), gc.get_threshold()],
+            "config": {key: getattr(jax.config, key) for key in CONFIG_KEYS}}
+
+
+before = snapshot()
+import jaxddppo
+modules = [importlib.import_module(f"jaxddppo.{info.name}") for info in pkgutil.iter_modules(jaxddppo.__path__)]
+after_import = snapshot()
+small = {"env": {"num_envs": 4}, "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
+         "train": {"total_env_steps": 64}, "eval": {"num_episodes": 2}, "run": {"progress": False}}
+jaxddppo.run({**small, "run": {**small["run"], "dir": os.path.join(sys.argv[1], "run")}})
+jaxddppo.run_sweep({**small, "run": {**small["run"], "dir": os.path.join(sys.argv[1], "sweep")}}, seeds=2)
+after_training = snapshot()
+print("RESULT " + json.dumps({
+    "before": before, "after_import": after_import, "after_training": after_training,
+    "module_types": sorted({type(module).__name__ for module in modules + [jaxddppo]}),
+    "num_modules": len(modules),
+}))
+"""
+
+
+def run_script(tmp_path, collector: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), collector], capture_output=True,
+                            text=True, env=subprocess_env(1), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_importing_and_training_change_nothing_in_jax_or_the_process(tmp_path):
+    """A program using jax.random lowers to the same text before `import jaxddppo`, after
+    importing every module, and after a run and a sweep; the environment variables, the
+    garbage collector (on, or switched off by the caller) and JAX's configuration are as
+    they were, and every module is a plain module."""
+    for collector in ("on", "off"):
+        state = run_script(tmp_path / collector, collector)
+        before = state["before"]
+        assert before["gc"][0] == (collector == "on")
+        assert state["num_modules"] > 10
+        assert state["module_types"] == ["module"]
+        for later in ("after_import", "after_training"):
+            for aspect in ("text", "environ", "gc", "config"):
+                assert state[later][aspect] == before[aspect], (later, aspect)
+        assert "threefry" in before["text"] or "while" in before["text"]  # JAX's own lowering was compared
+
+
+PRIVATE_JAX = re.compile(r"jax\._src|jax\.interpreters|jax\.extend|register_lowering|primitive_batchers"
+                         r"|__class__\s*=|gc\.disable|gc\.enable")
+
+
+def test_the_package_uses_public_jax_only_and_registers_nothing():
+    offending = [f"{path.relative_to(REPO_ROOT)}:{number}: {line.strip()}"
+                 for path in sorted((REPO_ROOT / "jaxddppo").rglob("*.py"))
+                 for number, line in enumerate(path.read_text().splitlines(), start=1)
+                 if PRIVATE_JAX.search(line)]
+    assert offending == []
