@@ -33,6 +33,8 @@ def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> 
 
 @dataclass(frozen=True)
 class EnvConfig:
+    """The environment and how many run at once."""
+
     id: str = _opt("CartPole-v1", "gymnax environment id (see the README for the list)")
     num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
     normalize_observations: bool = _opt(
@@ -45,6 +47,8 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class NetworkConfig:
+    """The actor-critic network."""
+
     torso: str = _opt(
         "auto", "mlp, cnn, or auto (cnn for image observations, else mlp)",
         choices=("auto", "mlp", "cnn"),
@@ -65,6 +69,8 @@ class NetworkConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
+    """The PPO update: rollout length, epochs, minibatches, loss and optimizer."""
+
     num_steps: int = _opt(128, "rollout length: environment steps per env between updates")
     num_epochs: int = _opt(4, "passes over each rollout")
     num_minibatches: int = _opt(4, "minibatches per epoch (each one global: all shards together)")
@@ -83,10 +89,15 @@ class PPOConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    total_env_steps: int = _opt(500_000, "environment steps over the whole run, all shards together")
+    """Length of the run, seed and logical shards."""
+
+    total_env_steps: int = _opt(
+        500_000, "environment steps over the whole run, all shards together (rounded down to whole updates)"
+    )
     seed: int = _opt(0, "random seed")
     num_shards: Optional[int] = _opt(
-        None, "logical data-parallel shards (default: the number of devices, over all hosts)"
+        None, "logical data-parallel shards (default: the number of devices, over all hosts); a multiple of the "
+        "device count"
     )
     updates_per_chunk: int = _opt(
         16, "updates per compiled call; the host logs and reports progress between calls (one program runs "
@@ -96,6 +107,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """Deterministic evaluation of the policy (the mode of its action distribution)."""
+
     num_episodes: int = _opt(32, "episodes of every deterministic evaluation (periodic and final)")
     every_updates: int = _opt(
         0, "evaluate every this many updates during training, between chunks (0: only at the end); "
@@ -105,8 +118,10 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Output directory, progress and the CPU backend's devices and threads."""
+
     dir: Optional[str] = _opt(None, "output directory (default: runs/<env>-<timestamp>)")
-    progress: bool = _opt(True, "show progress (a bar on a terminal, else one line per chunk)")
+    progress: bool = _opt(True, "show progress (a bar on a terminal, else one line at most every 2 s)")
     tensorboard: bool = _opt(False, "also write every metrics.jsonl field as a TensorBoard scalar into the run dir")
     cpu_threads: int = _opt(
         0, "threads of XLA's CPU thread pool, set (as PJRT_NPROC) before JAX starts its backend; 0: XLA's "
@@ -122,6 +137,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """When checkpoints are saved and how many are kept."""
+
     every_updates: int = _opt(
         0, "save a checkpoint every this many updates (0: none by update count)"
     )
@@ -135,6 +152,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
+    """Runs over several processes or hosts (jax.distributed)."""
+
     coordinator: Optional[str] = _opt(
         None, "host:port of process 0's coordinator; with num_processes and process_id starts a multi-process run"
     )
@@ -149,6 +168,8 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class DebugConfig:
+    """Checks for debugging."""
+
     check_replicas: bool = _opt(
         False, "after every chunk, compare a parameter digest of every shard on every process; stop on divergence"
     )
@@ -173,6 +194,7 @@ class OptionInfo:
     type_name: str
     default: Any
     help: str
+    choices: Optional[tuple[str, ...]] = None
 
 
 def _type_name(annotation: Any) -> str:
@@ -191,7 +213,8 @@ def options(config_type: type = Config, prefix: str = "") -> list[OptionInfo]:
         if dataclasses.is_dataclass(value):
             result.extend(options(type(value), f"{prefix}{fld.name}."))
         else:
-            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"]))
+            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"],
+                                     fld.metadata["choices"]))
     return result
 
 
@@ -203,6 +226,50 @@ def help_text() -> str:
         if isinstance(default, tuple):
             default = "[" + ",".join(str(v) for v in default) + "]"
         lines.append(f"  {opt.key} ({opt.type_name}, default {default}): {opt.help}")
+    return "\n".join(lines)
+
+
+def _markdown_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+REFERENCE_COMMAND = 'python -c "import jaxddppo.config as c; print(c.reference_markdown())" > docs/configuration.md'
+
+
+def reference_markdown() -> str:
+    """The option reference, docs/configuration.md: one table per section, from the fields' help."""
+    lines = [
+        "# Configuration reference",
+        "",
+        f"<!-- Generated from jaxddppo/config.py; do not edit. Regenerate with: {REFERENCE_COMMAND} -->",
+        "",
+        "Options are set in a YAML file of sections (as in `experiments/*.yaml`), on the command line "
+        "as `section.key=value` after `--config FILE`, or in Python with `jaxddppo.from_dict` and "
+        "`jaxddppo.with_overrides`. Every value is checked before anything compiles; a bad one is one line "
+        "on stderr and exit code 2. `python -m jaxddppo.train --help` prints the same list.",
+        "",
+        f"`--resume RUN_DIR` may change only {', '.join(f'`{key}`' for key in RESUMABLE_KEYS)}: "
+        "anything else would change the algorithm mid-run.",
+    ]
+    for section in dataclasses.fields(Config):
+        section_type = type(getattr(Config(), section.name))
+        lines += ["", f"## {section.name}", "", section_type.__doc__, "",
+                  "| key | type | default | meaning |", "|---|---|---|---|"]
+        for opt in options(section_type, f"{section.name}."):
+            type_name = opt.type_name
+            if opt.choices:
+                type_name = "one of " + ", ".join(f"`{choice}`" for choice in opt.choices)
+                type_name += ", or null" if opt.type_name.endswith(" or null") else ""
+            meaning = opt.help.replace("|", "\\|")
+            lines.append(f"| `{opt.key}` | {type_name} | `{_markdown_value(opt.default)}` | {meaning} |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol, TextIO
 
 from tqdm import tqdm
 
-# Every field of a metrics.jsonl row, with its meaning (the README's table comes from here).
+# Every field of a metrics.jsonl row, with its meaning (docs/outputs.md documents each).
 METRIC_FIELDS: dict[str, str] = {
     "update": "updates done so far (1 for the first)",
     "env_steps": "environment steps done so far, all shards together",
