@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT, subprocess_env
-from jaxddppo import bench
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
 def result(steps_per_second, compile_seconds=5.0, peak=700.0, final_return=500.0):
@@ -67,9 +69,9 @@ def test_cpu_description_names_the_first_processors_model_and_vector_isa():
 
 
 def test_profile_update_runs_as_the_config_says(tmp_path):
-    """experiments/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
+    """benchmarks/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
     process = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "experiments" / "profile_update.py"), "--config",
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "profile_update.py"), "--config",
          str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--chunks", "3", "ppo.num_steps=16",
          "train.updates_per_chunk=2", "run.cpu_devices=2", "run.cpu_threads=3"],
         capture_output=True, text=True, env=subprocess_env(1), cwd=tmp_path, timeout=300,
@@ -80,7 +82,7 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
 
 
 def test_bad_suite_is_one_line_and_exit_2():
-    process = subprocess.run([sys.executable, "-m", "jaxddppo.bench", "--suites", "small,fast"],
+    process = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--suites", "small,fast"],
                              capture_output=True, text=True)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [

@@ -1,4 +1,4 @@
-"""Benchmarks: `python -m jaxddppo.bench [--suites ...] [--repeats N] [--out FILE]`.
+"""Benchmarks: `python benchmarks/bench.py [--suites ...] [--repeats N] [--out FILE]`.
 
 jaxddppo against rejax's PPO (installed by the `bench` extra) on the same
 machine, in the same run: every measurement is a fresh subprocess (its own
@@ -336,7 +336,7 @@ def run_trial(trial: Trial, spec: dict[str, Any], timeout: float) -> dict[str, A
         [flag for flag in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in flag]
         + [f"{CPU_DEVICE_COUNT_FLAG}={trial.devices}"]
     )
-    command = [sys.executable, "-m", "jaxddppo.bench", "--worker", json.dumps(asdict(trial)),
+    command = [sys.executable, __file__, "--worker", json.dumps(asdict(trial)),
                "--spec", json.dumps(spec)]
     start = time.perf_counter()
     try:
@@ -452,7 +452,7 @@ def peer_versions() -> dict[str, Optional[str]]:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(
-        prog="python -m jaxddppo.bench",
+        prog="python benchmarks/bench.py",
         description="Benchmark jaxddppo against rejax's PPO side by side (install the peers with "
         "pip install -e '.[bench]'). Trials alternate over the repeats; tables report medians and ratios.",
     )
@@ -513,7 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(table))
     if args.out:
         report = {
-            "command": "python -m jaxddppo.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python benchmarks/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": machine_description(cpu),
             "versions": peer_versions(),
             "configs": specs,

@@ -1,6 +1,6 @@
 """Profile one compiled chunk of updates: where a run's time goes, without the host loop.
 
-    python experiments/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
+    python benchmarks/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
         [section.key=value ...]
 
 The config's `run.cpu_threads` and `run.cpu_devices` apply as in training (the
@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxddppo import sharding, train
-    from jaxddppo.bench import xla_cpu_pool_threads
+    from bench import xla_cpu_pool_threads
     from jaxddppo.config import load_config
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
