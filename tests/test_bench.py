@@ -1,13 +1,24 @@
-"""The benchmark driver: alternation, medians and ratios, and one real (tiny) side-by-side run."""
+"""The benchmark harness (benchmarks/): suites, alternation, medians and ratios, argument errors,
+and real (tiny) side-by-side runs. Tests that need a peer skip without it."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO_ROOT, subprocess_env
-from jaxddppo import bench
+from jaxddppo.config import load_config
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+TINY_STEPS = 4096  # 8 updates of 4 envs x 128 steps, in one chunk
 
 
 def result(steps_per_second, compile_seconds=5.0, peak=700.0, final_return=500.0):
@@ -15,8 +26,13 @@ def result(steps_per_second, compile_seconds=5.0, peak=700.0, final_return=500.0
             "compile_seconds": compile_seconds, "peak_rss_mb": peak, "final_return": final_return}
 
 
+def tiny_plan(rows, sources):
+    specs = {name: {**spec, "total_env_steps": TINY_STEPS} for name, spec in bench.CONFIGS.items()}
+    return bench.Plan(rows=tuple(rows), specs=specs, sources=sources, repeats=1, timeout=300)
+
+
 def test_every_suite_alternates_distinct_trials():
-    rows = bench.comparisons(bench.SUITES)
+    rows = bench.comparisons(bench.SUITES, ["rejax"])
     trials = bench.distinct_trials(rows)
     assert len(trials) == len(set(trials))
     assert bench.Trial("jaxddppo", "small") in trials and bench.Trial("rejax", "small", seeds=32) in trials
@@ -33,11 +49,40 @@ def test_every_suite_alternates_distinct_trials():
     assert [(row.numerator.cpu_threads, row.denominator.cpu_threads) for row in population[-2:]] == [(1, 0), (1, 1)]
 
 
+def test_the_guard_measures_this_checkout_against_the_baseline_on_the_same_trials():
+    guard = bench.comparisons(["guard"], ["rejax"])
+    assert all(row.numerator == replace(row.denominator, contender="jaxddppo") for row in guard)
+    assert {row.denominator.contender for row in guard} == {"baseline"}
+    assert [(row.numerator.config, row.numerator.devices, row.numerator.seeds, row.guarded) for row in guard] == [
+        ("small", 1, 0, False), ("large", 1, 0, True), ("large", 2, 0, True), ("small", 2, 32, True)]
+    assert bench.CONFIGS["large"]["num_envs"] == 2048
+
+
+def test_each_peer_gets_the_peer_suites_rows():
+    rows = bench.comparisons(["small", "large", "population"], ["rejax", "purejaxrl"])
+    peers = [row.denominator.contender for row in rows]
+    assert peers.count("rejax") == 2 + 1 + 6 and peers.count("purejaxrl") == 2 + 1  # no PureJaxRL population
+
+
+def test_trials_alternate_round_by_round(capsys):
+    first, second = bench.Trial("jaxddppo", "small"), bench.Trial("baseline", "small")
+    order = []
+
+    def run(trial):
+        order.append(trial)
+        return result(100.0 * len(order))
+
+    measurements = bench.measure([first, second], 3, run)
+    assert order == [first, second] * 3
+    assert [r["steps_per_second"] for r in measurements[second]] == [200.0, 400.0, 600.0]
+    assert capsys.readouterr().out.count("round ") == 6
+
+
 def test_summary_takes_medians_and_the_median_of_round_ratios():
-    rows = bench.comparisons(["scaling"])[:1]
+    rows = bench.comparisons(["scaling"], [])[:1]
     two, one = rows[0].numerator, rows[0].denominator
     measurements = {
-        two: [result(150.0), result(90.0), result(120.0)],
+        two: [result(150.0, compile_seconds=4.0), result(90.0, compile_seconds=6.0), result(120.0)],
         one: [result(100.0), result(100.0), result(50.0)],
     }
     (entry,) = bench.summarise(rows, measurements)
@@ -45,8 +90,62 @@ def test_summary_takes_medians_and_the_median_of_round_ratios():
     assert entry["numerator_first_run_steps_per_second"] == 60.0
     assert entry["round_ratios"] == [1.5, 0.9, 2.4]
     assert entry["steps_per_second_ratio"] == 1.5  # not 120 / 100
-    assert entry["scaling_efficiency"] == 0.75
+    assert entry["round_compile_ratios"] == [0.8, 1.2, 1.0] and entry["compile_seconds_ratio"] == 1.0
+    assert entry["scaling_efficiency"] == 0.75 and entry["guard"] is None
     assert "| scaling | jaxddppo small, 2 device(s) |" in bench.format_table([entry])
+
+
+def test_guarded_rows_are_held_to_the_bounds():
+    rows = bench.comparisons(["guard"], [])
+    # This checkout / the baseline, row by row: steps/s and compile seconds.
+    ratios = [(0.5, 1.0), (0.95, 1.1), (1.2, 1.11), (0.94, 1.0)]
+    measurements = {}
+    for row, (steps, compile_ratio) in zip(rows, ratios, strict=True):
+        measurements[row.numerator] = [result(100.0 * steps, compile_seconds=compile_ratio)]
+        measurements[row.denominator] = [result(100.0, compile_seconds=1.0)]
+    table = bench.summarise(rows, measurements)
+    assert [entry["guard"] for entry in table] == [None, "pass", "FAIL", "FAIL"]
+    assert bench.guard_failures(table) == ["jaxddppo large, 2 device(s) / baseline",
+                                           "jaxddppo small, 2 device(s), 32 seeds / baseline"]
+    lines = bench.format_table(table).splitlines()
+    assert lines[2].endswith("| - |") and lines[3].endswith("| pass |") and lines[4].endswith("| FAIL |")
+
+
+def test_trial_environment_sets_threads_devices_and_the_checkout():
+    environ = {"PJRT_NPROC": "4", "NPROC": "8", "PYTHONPATH": "/elsewhere",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_foo=1"}
+    env = bench.trial_environment(bench.Trial("baseline", "large", devices=2, cpu_threads=1), environ, Path("/base"))
+    assert env["PJRT_NPROC"] == "1" and "NPROC" not in env
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2"
+    assert env["PYTHONPATH"] == os.pathsep.join(["/base", "/elsewhere"])
+    peer = bench.trial_environment(bench.Trial("rejax", "small"), environ, None)
+    assert "PJRT_NPROC" not in peer and peer["PYTHONPATH"] == "/elsewhere"
+
+
+def test_a_checkout_runs_its_command_line_on_a_config_it_accepts(tmp_path):
+    sources = bench.Sources({"jaxddppo": REPO_ROOT}, Path("/clone"))
+    sweep = bench.trial_command(bench.Trial("jaxddppo", "small", devices=2, seeds=32), bench.CONFIGS["small"],
+                                sources, tmp_path)
+    assert sweep[1:5] == ["-m", "jaxddppo.sweep", "--config", str(tmp_path / "config.yaml")]
+    assert sweep[5:] == ["--seeds", "32"]
+    config = load_config(str(tmp_path / "config.yaml"))
+    assert config.run.dir == str(tmp_path / "run") and config.env.num_envs == 4 and config.ppo.learning_rate == 2.5e-4
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["checkpoint"] == {"every_updates": 0,
+                                                                                   "every_seconds": 0}
+    train = bench.trial_command(bench.Trial("baseline", "large"), bench.CONFIGS["large"], sources, tmp_path)
+    assert train[1:3] == ["-m", "jaxddppo.train"] and load_config(train[-1]).env.num_envs == 2048
+    peer = bench.trial_command(bench.Trial("purejaxrl", "large"), bench.CONFIGS["large"], sources, tmp_path)
+    assert peer[1:3] == [str(bench.PEERS_SCRIPT), "purejaxrl"] and peer[-2:] == ["--purejaxrl", "/clone"]
+
+
+def test_steady_state_leaves_out_the_first_chunk(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"member": member, "update": update, "env_steps": 100 * update, "wall_seconds": 1.0 if update <= 2 else 3.0}
+            for update in (1, 2, 3, 4) for member in (0, 1)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert bench.steady_state(path, 2) == (400, 2.0)  # members x (400 - 200) steps in 3.0 - 1.0 s
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["update"] <= 2))
+    assert bench.steady_state(path, 2) == (400, 1.0)  # one chunk: all of it
 
 
 CPUINFO = """processor\t: 0
@@ -66,10 +165,122 @@ def test_cpu_description_names_the_first_processors_model_and_vector_isa():
     assert bench.cpu_description("") == {"cpu_model": None, "cpu_vector_isa": []}
 
 
+PUREJAXRL = bench.PUREJAXRL_URL
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suites", "small,fast"], "--suites=fast is not a suite; choose from small, large, scaling, population, guard"),
+    (["--suites", ""], "--suites=(none) is not a suite; choose from small, large, scaling, population, guard"),
+    (["--peers", "rejax,cleanrl"], "--peers=cleanrl is not a peer; choose from rejax, purejaxrl"),
+    (["--suites", "guard"], "--suites=guard needs --baseline PATH, another checkout of jaxddppo"),
+    (["--baseline", str(REPO_ROOT)], "--baseline is read only by the guard suite; add guard to --suites"),
+    (["--suites", "guard", "--baseline", "/nowhere"],
+     "--baseline=/nowhere is not a checkout of jaxddppo (no jaxddppo/train.py there)"),
+    (["--peers", "purejaxrl"], f"--peers=purejaxrl needs --purejaxrl PATH, a clone of {PUREJAXRL}"),
+    (["--purejaxrl", "/nowhere"], "--purejaxrl is read only when --peers names purejaxrl"),
+    (["--peers", "purejaxrl", "--purejaxrl", "/nowhere"],
+     f"--purejaxrl=/nowhere is not a clone of {PUREJAXRL} (no purejaxrl/ppo.py there)"),
+    (["--repeats", "0"], "--repeats=0 must be at least 1"),
+    (["--total-env-steps", "0"], "--total-env-steps=0 must be at least 1"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message} (see --help)"]
+
+
+def test_the_population_suite_needs_rejax(tmp_path, capsys):
+    (tmp_path / "purejaxrl").mkdir()
+    (tmp_path / "purejaxrl" / "ppo.py").touch()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--suites", "small,population", "--peers", "purejaxrl", "--purejaxrl", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --suites=population measures against rejax only; add it to --peers (see --help)"]
+
+
+def test_missing_rejax_is_one_line_and_exit_2(monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "rejax" else find_spec(name))
+    assert bench.main(["--suites", "large"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rejax is not installed; install the peers with: pip install -e '.[bench]'"]
+
+
+def test_the_script_reports_bad_arguments_without_a_traceback():
+    process = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench.py"), "--suites", "guard"],
+                             capture_output=True, text=True, cwd=REPO_ROOT)
+    assert process.returncode == 2
+    assert process.stderr.splitlines() == [
+        "error: --suites=guard needs --baseline PATH, another checkout of jaxddppo (see --help)"]
+
+
+def test_guard_side_by_side_with_this_checkout_as_baseline(tmp_path):
+    """The harness end to end on the guard's small row: both contenders through jaxddppo's
+    command line in fresh processes, this checkout standing in for the baseline."""
+    rows = [row for row in bench.comparisons(["guard"], []) if not row.guarded]
+    plan = tiny_plan(rows, bench.Sources({"jaxddppo": REPO_ROOT, "baseline": REPO_ROOT}))
+    measurements = bench.run_plan(plan)
+    table = bench.summarise(plan.rows, measurements)
+    report = bench.build_report(plan, measurements, table, "test", bench.cpu_description(bench.read_cpuinfo()))
+    report = json.loads(json.dumps(report))
+    assert [m["label"] for m in report["measurements"]] == ["jaxddppo small, 1 device(s)",
+                                                            "baseline small, 1 device(s)"]
+    assert report["sources"]["baseline"]["path"] == str(REPO_ROOT)
+    assert report["machine"]["cpu_model"] == bench.cpu_description(bench.read_cpuinfo())["cpu_model"]
+    for measurement in report["measurements"]:
+        (run,) = measurement["results"]
+        assert run["env_steps"] == run["steady_env_steps"] == TINY_STEPS  # one chunk: all of it
+        assert run["steps_per_second"] > 0 and run["compile_seconds"] > 0 and run["peak_rss_mb"] > 100
+        assert 8 <= run["final_return"] <= 500  # CartPole: any policy lasts 8 steps, none more than 500
+    (entry,) = report["table"]
+    new, old = (m["results"][0] for m in report["measurements"])
+    assert entry["steps_per_second_ratio"] == pytest.approx(new["steps_per_second"] / old["steps_per_second"])
+    assert entry["compile_seconds_ratio"] == pytest.approx(new["compile_seconds"] / old["compile_seconds"])
+    assert entry["guard"] is None
+
+
+def test_a_rejax_trial_runs_as_a_peer():
+    pytest.importorskip("rejax")
+    trial = bench.Trial("rejax", "small")
+    run = bench.run_trial(trial, tiny_plan([], bench.Sources({})))
+    assert run["env_steps"] == run["steady_env_steps"] == TINY_STEPS
+    assert run["steps_per_second"] > 0 and run["compile_seconds"] > 0 and run["peak_rss_mb"] > 100
+    assert 8 <= run["final_return"] <= 500
+
+
+@pytest.mark.skipif(not os.environ.get("PUREJAXRL"), reason="set PUREJAXRL to a clone of PureJaxRL")
+def test_a_purejaxrl_trial_runs_as_a_peer():
+    trial = bench.Trial("purejaxrl", "small")
+    run = bench.run_trial(trial, tiny_plan([], bench.Sources({}, Path(os.environ["PUREJAXRL"]))))
+    assert run["env_steps"] == run["steady_env_steps"] == TINY_STEPS
+    assert run["steps_per_second"] > 0 and run["compile_seconds"] > 0 and 0 <= run["final_return"] <= 500
+
+
+SHIM_SCRIPT = """
+import gymnax, jax, gymnax_shim
+gymnax_shim.prepare_purejaxrl()
+from brax import envs
+from brax.envs.wrappers.training import EpisodeWrapper, AutoResetWrapper
+import navix
+env, params = gymnax.make("CartPole-v1")
+obs, state = env.reset(jax.random.key(0), params)
+print(len(env.step(jax.random.key(1), state, 0, params)))
+"""
+
+
+def test_the_shim_steps_gymnax_the_five_value_way_and_stands_in_for_unused_simulators():
+    process = subprocess.run([sys.executable, "-c", SHIM_SCRIPT], capture_output=True, text=True,
+                             cwd=REPO_ROOT / "benchmarks", env=subprocess_env(1), timeout=120)
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.split() == ["5"]
+
+
 def test_profile_update_runs_as_the_config_says(tmp_path):
-    """experiments/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
+    """benchmarks/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
     process = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "experiments" / "profile_update.py"), "--config",
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "profile_update.py"), "--config",
          str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--chunks", "3", "ppo.num_steps=16",
          "train.updates_per_chunk=2", "run.cpu_devices=2", "run.cpu_threads=3"],
         capture_output=True, text=True, env=subprocess_env(1), cwd=tmp_path, timeout=300,
@@ -77,37 +288,3 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
     assert process.returncode == 0, process.stderr
     assert "while loops in the optimised program" in process.stdout
     assert "env steps/s on 2 cpu device(s), 3 XLA CPU pool thread(s)" in process.stdout
-
-
-def test_bad_suite_is_one_line_and_exit_2():
-    process = subprocess.run([sys.executable, "-m", "jaxddppo.bench", "--suites", "small,fast"],
-                             capture_output=True, text=True)
-    assert process.returncode == 2
-    assert process.stderr.strip().splitlines() == [
-        "error: --suites=fast is not a suite; choose from small, large, scaling, population (see --help)"
-    ]
-
-
-def test_small_suite_side_by_side(tmp_path):
-    pytest.importorskip("rejax")
-    out = tmp_path / "bench.json"
-    assert bench.main(["--suites", "small", "--repeats", "1", "--total-env-steps", "4096", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["versions"]["rejax"] and report["configs"]["small"]["total_env_steps"] == 4096
-    assert report["machine"]["cpu_model"] == bench.cpu_description(bench.read_cpuinfo())["cpu_model"]
-    entry = report["table"][0]
-    labels = [m["label"] for m in report["measurements"]]
-    assert labels == ["jaxddppo small, 1 device(s), 1 CPU thread(s)", "rejax small, 1 device(s)",
-                      "rejax small, 1 device(s), 1 CPU thread(s)", "jaxddppo small, 1 device(s)"]
-    for measurement in report["measurements"]:
-        (run,) = measurement["results"]
-        if run["xla_cpu_pool_threads"] is not None and measurement["trial"]["cpu_threads"]:
-            assert run["xla_cpu_pool_threads"] == measurement["trial"]["cpu_threads"]
-        assert run["env_steps"] == 4096  # 8 updates of 4 envs x 128 steps
-        assert run["steps_per_second"] > 0 and run["compile_seconds"] > 0 and run["peak_rss_mb"] > 100
-        assert run["steady_env_steps"] == 4096  # one chunk of 8 updates: all of it
-        assert 8 <= run["final_return"] <= 500  # CartPole: any policy lasts 8 steps, none more than 500
-    assert entry["steps_per_second_ratio"] == pytest.approx(
-        report["measurements"][0]["results"][0]["steps_per_second"]
-        / report["measurements"][1]["results"][0]["steps_per_second"]
-    )

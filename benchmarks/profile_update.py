@@ -1,7 +1,9 @@
 """Profile one compiled chunk of updates: where a run's time goes, without the host loop.
 
-    python experiments/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
+    python benchmarks/profile_update.py --config experiments/cartpole.yaml [--chunks 61] [--trace DIR]
         [section.key=value ...]
+
+It profiles the jaxddppo of the checkout it sits in.
 
 The config's `run.cpu_threads` and `run.cpu_devices` apply as in training (the
 CartPole config's single CPU thread, for instance). Prints the seconds spent
@@ -26,9 +28,28 @@ import gzip
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import jax
+
+
+def xla_cpu_pool_threads() -> Optional[int]:
+    """Threads of XLA's CPU thread pool in this process (Linux names them tf_XLAEigen), or None
+    where /proc does not list threads."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    count = 0
+    for task in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, task, "comm")) as handle:
+                count += handle.read().strip() == "tf_XLAEigen"
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+    return count
 
 
 def executed_operations(trace_dir: str) -> collections.Counter:
@@ -53,8 +74,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args()
 
+    # The jaxddppo of the checkout this script is in, whichever one is installed.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from jaxddppo import sharding, train
-    from jaxddppo.bench import xla_cpu_pool_threads
     from jaxddppo.config import load_config
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
