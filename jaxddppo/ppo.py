@@ -17,6 +17,7 @@ import optax
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
+from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
@@ -61,6 +62,7 @@ class UpdateSettings:
     critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
+    minibatch_shuffle: str = "jax"  # ppo.minibatch_shuffle
 
     @classmethod
     def from_config(cls, config: Config, topology: Topology) -> "UpdateSettings":
@@ -80,6 +82,7 @@ class UpdateSettings:
             critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
             normalize_observations=config.env.normalize_observations,
             scale_rewards=config.env.scale_rewards,
+            minibatch_shuffle=ppo.minibatch_shuffle,
         )
 
     @property
@@ -252,11 +255,16 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
     ))
 
 
+def epoch_permutations(key: jax.Array, num_items: int, settings: UpdateSettings) -> jax.Array:
+    """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch, drawn as
+    `ppo.minibatch_shuffle` says."""
+    permute = cpu_tuning.sort_permutation if settings.minibatch_shuffle == "cpu_sorts" else jax.random.permutation
+    return jax.vmap(lambda k: permute(k, num_items))(jax.random.split(key, settings.num_epochs))
+
+
 def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, envs per minibatch]: a fresh permutation of the envs per epoch."""
-    permutations = jax.vmap(lambda k: jax.random.permutation(k, settings.num_envs))(
-        jax.random.split(key, settings.num_epochs)
-    )
+    permutations = epoch_permutations(key, settings.num_envs, settings)
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
 
 
@@ -274,10 +282,7 @@ def sequence_advantages(advantages: jax.Array, env_indices: jax.Array, normalize
 
 def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
-    num_samples = settings.num_minibatches * settings.minibatch_size
-    permutations = jax.vmap(lambda k: jax.random.permutation(k, num_samples))(
-        jax.random.split(key, settings.num_epochs)
-    )
+    permutations = epoch_permutations(key, settings.num_minibatches * settings.minibatch_size, settings)
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, settings.minibatch_size)
 
 
