@@ -192,11 +192,31 @@ def run_once_compiler_options(mesh: Mesh) -> dict[str, Any]:
     against 2.9-3.1 CPU seconds); since its hashes moved to the host, in 0.23-0.28 s with
     the older emitter against 0.29-0.38 s without (0.35-0.48 against 0.45-0.63 CPU
     seconds). Either way it computes the same bits: tests/test_sharding.py compares the
-    initial states. On other platforms: no options.
+    initial states. XLA before jaxlib 0.10 has no such preset (it rejects the option):
+    there the older emitter alone. On other platforms: no options.
     """
     if mesh_platform(mesh) != "cpu":
         return {}
-    return {"xla_cpu_opt_preset": "CPU_OPT_PRESET_FAST_COMPILE", "xla_cpu_use_fusion_emitters": False}
+    options: dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
+    if _cpu_compiler_accepts("xla_cpu_opt_preset", "CPU_OPT_PRESET_FAST_COMPILE"):
+        options["xla_cpu_opt_preset"] = "CPU_OPT_PRESET_FAST_COMPILE"
+    return options
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_compiler_accepts(option: str, value: Any) -> bool:
+    """Whether XLA's CPU compiler knows the compile option `option` (XLA adds and renames
+    them between jaxlib releases): an empty program compiled with it, once per process."""
+    cpu = jax.local_devices(backend="cpu")[0]
+    scalar = jax.ShapeDtypeStruct((), np.int32, sharding=jax.sharding.SingleDeviceSharding(cpu))
+    empty = jax.jit(lambda x: x).lower(scalar)
+    try:
+        empty.compile({option: value})
+    except jax.errors.JaxRuntimeError as error:
+        if "No such compile option" not in str(error):
+            raise
+        return False
+    return True
 
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
