@@ -365,6 +365,7 @@ def mlp_gradients_float64(params, obs, logits_grad, value_grad):
     return {"params": grads}
 
 
+@pytest.mark.oldest
 def test_network_gradients_match_float64_backpropagation():
     """The MLP's parameter gradients, whose kernel products are computed from transposed
     inputs (networks._dense_product), against NumPy float64; observations [T, B, obs] as

@@ -133,6 +133,7 @@ def runs_by_device_count():
     return results
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("num_devices", [2, 4])
 def test_same_learning_on_any_device_count(runs_by_device_count, num_devices):
     _, reference_state, reference_metrics, _ = runs_by_device_count[1]
@@ -232,6 +233,7 @@ def test_minibatch_advantages_normalised_over_all_shards():
 
 # --- programs that run once ----------------------------------------------------------------------
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("experiment_yaml", ["cartpole.yaml", "memory_chain.yaml", "pendulum.yaml"])
 def test_run_once_options_compute_the_same_initial_state(experiment_yaml):
     """The initialisation compiled with `run_once_compiler_options` (a feed-forward, a
