@@ -29,6 +29,14 @@ def subprocess_env(num_devices: int) -> dict[str, str]:
     return env
 
 
+def xla_pool_threads_named() -> bool:
+    """Whether jaxlib names the threads of XLA's CPU pool (tf_XLAEigen), which
+    tests/test_sharding.py counts: from jaxlib 0.8 on; 0.7 leaves them unnamed."""
+    import jax
+
+    return jax.__version_info__ >= (0, 8)
+
+
 def host_leaves(tree) -> list[np.ndarray]:
     """Every leaf of a global state on the host (all shards), typed keys as their raw key data."""
     import jax

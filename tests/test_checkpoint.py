@@ -72,6 +72,7 @@ def test_chunk_plan_cuts_at_chunks_checkpoints_and_the_stop():
     assert list(chunk_plan(12, 12, 4, 4)) == []
 
 
+@pytest.mark.oldest
 def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
     run_dir = tmp_path / "run"
     first = run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=6)

@@ -365,6 +365,7 @@ def mlp_gradients_float64(params, obs, logits_grad, value_grad):
     return {"params": grads}
 
 
+@pytest.mark.oldest
 def test_network_gradients_match_float64_backpropagation():
     """The MLP's parameter gradients against NumPy float64; observations [T, B, obs] as
     in a rollout, jitted and under the shard vmap."""

@@ -179,6 +179,7 @@ def test_sequence_advantages_normalised_over_the_global_minibatch():
         np.testing.assert_allclose(normalised[:, 0, m], expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.oldest
 def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollout):
     """The rollout's 4 sequences as one minibatch on 1 shard, or split 2 + 2 over 2 shards
     on 2 devices: the all-reduced gradient is the same (DESIGN.md's gradient trap)."""

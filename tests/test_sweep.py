@@ -58,6 +58,7 @@ def sweep_result(tmp_path_factory):
     return jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS, devices=jax.devices()[:2])
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("member", [1, 2])
 def test_member_trains_as_its_single_run(sweep_result, member, tmp_path):
     row = sweep_result.members[member]
@@ -302,6 +303,7 @@ def test_sweep_command_leaves_a_started_backend_alone():
     assert with_cpu_device_per_core(config, 32, 2, {}) is config
 
 
+@pytest.mark.oldest
 @pytest.mark.parametrize("module", ["jaxddppo.train", "jaxddppo.sweep"])
 def test_modules_run_with_python_m_without_warnings(tmp_path, module):
     result = run_module(module, ["--help"], tmp_path)
