@@ -5,9 +5,9 @@ Nothing here is used unless a config option asks for it; everything is plain JAX
 `ppo.minibatch_shuffle=cpu_sorts` draws each epoch's minibatch order with
 `sort_permutation` instead of `jax.random.permutation`. JAX shuffles by sorting
 (random key, index) pairs, and XLA's CPU backend sorts pairs by calling a compiled
-comparator for every comparison; it sorts one array of integers directly. On the
-large CartPole config (2048 envs x 128 steps: four epochs of 262,144 samples per
-update) that is 0.12-0.22 s against 0.47-0.70 s per update (docs/benchmarks.md).
+comparator for every comparison; it sorts one array of integers directly. The large
+CartPole config's four epochs of 262,144 samples per update: 0.74-0.78 s against
+1.94-1.99 s on a loaded 2-core host (docs/benchmarks.md has the command).
 """
 
 from __future__ import annotations

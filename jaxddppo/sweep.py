@@ -571,9 +571,8 @@ def with_cpu_device_per_core(config: Config, num_members: int, num_cores: int,
     """The sweep command's default for `run.cpu_devices`: one CPU device per core, as many
     as divide the member count, where nothing else decides the device count and JAX runs
     on the CPU (`sharding.cpu_device_count_open`). Members never communicate, and on one
-    device XLA's thread pool gains little from more cores for them (docs/benchmarks.md,
-    the population suite). The Python API leaves the
-    count alone: the devices of a process are fixed once JAX starts, and a training run
+    device XLA's thread pool gains little from more cores for them. The Python API leaves
+    the count alone: the devices of a process are fixed once JAX starts, and a training run
     in the same process would share its gradients over all of them."""
     if not sharding.cpu_device_count_open(config, environ):
         return config
