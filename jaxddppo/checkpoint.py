@@ -97,7 +97,8 @@ class Checkpointer:
         """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings)."""
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
-        counters = dict(self._manager.restore(step, args=ocp.args.Composite(counters=ocp.args.JsonRestore()))["counters"])
+        counters_only = ocp.args.Composite(counters=ocp.args.JsonRestore())
+        counters = dict(self._manager.restore(step, args=counters_only)["counters"])
         written_format = counters.pop(_FORMAT_KEY, 1)
         if written_format != CHECKPOINT_FORMAT:
             raise CheckpointFormatError(
