@@ -399,13 +399,6 @@ def backend_started() -> bool:
     return False
 
 
-def environment_for_own_cpu_threads(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` for a child process that sizes its own XLA CPU thread pool: without
-    PJRT_NPROC (the pool size, as `set_cpu_threads` sets it) and NPROC (the CPU count
-    XLA's default pool is sized from)."""
-    return {key: value for key, value in environ.items() if key not in ("PJRT_NPROC", "NPROC")}
-
-
 def set_cpu_threads(cpu_threads: int) -> Optional[str]:
     """Size XLA's CPU thread pool (`run.cpu_threads`; 0 leaves XLA's default, one thread per core).
 

@@ -19,10 +19,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def subprocess_env(num_devices: int) -> dict[str, str]:
     """The environment of a jaxddppo subprocess: this interpreter's, with `num_devices`
     simulated CPU devices, this checkout importable, and no CPU thread pool size
-    inherited (a test process may have set PJRT_NPROC for itself: run.cpu_threads)."""
-    from jaxddppo.sharding import environment_for_own_cpu_threads
-
-    env = environment_for_own_cpu_threads(os.environ)
+    inherited (a test process may have set PJRT_NPROC for itself: run.cpu_threads; NPROC
+    sizes XLA's default pool)."""
+    env = {key: value for key, value in os.environ.items() if key not in ("PJRT_NPROC", "NPROC")}
     env["XLA_FLAGS"] = f"{_DEVICE_FLAG}={num_devices}"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

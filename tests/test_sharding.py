@@ -10,6 +10,7 @@
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -253,20 +254,12 @@ def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrid
 
 # --- run.cpu_threads -------------------------------------------------------------------------------
 
+# Run with benchmarks/ importable, for profile_update's count of XLA's pool threads.
 THREADS_SCRIPT = """
-import json, os, sys
+import json, sys
+from profile_update import xla_cpu_pool_threads
 from jaxddppo import sharding, train
 from jaxddppo.config import from_dict
-
-def xla_cpu_pool_threads():
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(os.path.join("/proc/self/task", task, "comm")) as handle:
-                count += handle.read().strip() == "tf_XLAEigen"  # Linux's name for XLA's CPU pool threads
-        except FileNotFoundError:  # a thread that ended meanwhile
-            pass
-    return count
 
 result = train.run(from_dict(json.loads(sys.argv[1])))
 print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],
@@ -289,8 +282,10 @@ def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path
     """A fresh process with run.cpu_threads=3 (neither XLA's default on this machine's
     cores nor 1) runs 3 XLA CPU pool threads and learns bit for bit what the
     default pool learns here; asked for another size once JAX has started, it warns."""
+    env = subprocess_env(1)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(REPO_ROOT / "benchmarks")])
     completed = subprocess.run([sys.executable, "-c", THREADS_SCRIPT, json.dumps(threads_config(tmp_path, 3))],
-                               env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+                               env=env, capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr[-2000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     if xla_pool_threads_named():
