@@ -13,6 +13,7 @@ in one program: state leaves get a leading `[num_members, num_shards]` pair of
 axes, split over a two-axis mesh `(MEMBER_AXIS, DEVICE_AXIS)`. Members never
 communicate; a member's shards reduce over `DEVICE_AXIS` within its mesh row.
 
+A single run's mesh has no member axis. `shard_parallel` serves both meshes.
 Other modules never name an axis: they call `pmean_over_shards` and friends.
 """
 
@@ -146,8 +147,8 @@ def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
 
 
 def shard_sharding(mesh: Mesh) -> NamedSharding:
-    """Leading (shard) axis split over the devices, the rest whole."""
-    return NamedSharding(mesh, PartitionSpec(DEVICE_AXIS))
+    """The leading state axes split over the mesh (`state_spec`), the rest whole."""
+    return NamedSharding(mesh, state_spec(mesh))
 
 
 def pmean_over_shards(tree: Any) -> Any:
@@ -164,16 +165,29 @@ def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, .
                    shared_argnums: tuple[int, ...] = ()) -> Callable:
     """Compile `per_shard` to run once per logical shard over the whole mesh.
 
-    Every argument and result is a pytree whose leaves have a leading
-    `num_shards` axis, except the arguments at `shared_argnums`: one value for
-    every shard (such as a chunk's count of updates), replicated over the mesh
-    (`shared_array`) and not batched. `check_vma=False` gives pmap semantics:
-    `jax.grad` inside `per_shard` is the local gradient, and `pmean_over_shards`
-    then averages it (with the default `check_vma=True`, grad would already sum
-    over devices).
+    Every argument and result is a pytree whose leaves lead with the state axes of
+    `mesh` (`state_spec`): [num_shards] on a run's mesh, [num_members, num_shards] on a
+    population's; except the arguments at `shared_argnums`: one value for every shard
+    (such as a chunk's count of updates), replicated over the mesh (`shared_array`) and
+    not batched. Members are vmapped without an axis name, so `pmean_over_shards`
+    reduces over one member's shards only. `check_vma=False` gives pmap semantics:
+    `jax.grad` inside `per_shard` is the local gradient, and `pmean_over_shards` then
+    averages it (with the default `check_vma=True`, grad would already sum over devices).
     """
     per_device = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
-    return _jit_over_mesh(per_device, mesh, PartitionSpec(DEVICE_AXIS), donate_argnums, shared_argnums)
+    if is_population(mesh):
+        per_device = _vmap_unshared(per_device, shared_argnums)
+    return _jit_over_mesh(per_device, mesh, state_spec(mesh), donate_argnums, shared_argnums)
+
+
+def is_population(mesh: Mesh) -> bool:
+    """Whether `mesh` holds a population (a member axis) rather than a single run."""
+    return MEMBER_AXIS in mesh.axis_names
+
+
+def state_spec(mesh: Mesh) -> PartitionSpec:
+    """How the leading axes of every state leaf split over `mesh`."""
+    return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
 def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
@@ -266,22 +280,9 @@ def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.De
     return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
 
 
-def population_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
-                        shared_argnums: tuple[int, ...] = ()) -> Callable:
-    """`shard_parallel` for a population: leaves lead with [num_members, num_shards]
-    (the arguments at `shared_argnums`: one value for every member and shard).
-
-    Members are vmapped without an axis name, so `pmean_over_shards` inside
-    `per_shard` reduces over one member's shards only.
-    """
-    per_member = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
-    return _jit_over_mesh(_vmap_unshared(per_member, shared_argnums), mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS),
-                          donate_argnums, shared_argnums)
-
-
 def put_population(tree: Any, mesh: Mesh) -> Any:
     """Host arrays with leading [num_members, num_shards] as global arrays over a population mesh."""
-    sharding = NamedSharding(mesh, PartitionSpec(MEMBER_AXIS, DEVICE_AXIS))
+    sharding = shard_sharding(mesh)
 
     def put(leaf: Any) -> jax.Array:
         host = np.asarray(leaf)
@@ -314,7 +315,7 @@ def global_shard_array(mesh: Mesh, values: np.ndarray) -> jax.Array:
 
 def shared_array(mesh: Mesh, value: np.ndarray) -> jax.Array:
     """Host `value` as a global array replicated on every device of the mesh: an argument
-    at `shared_argnums` of `shard_parallel` or `population_parallel`."""
+    at `shared_argnums` of `shard_parallel`."""
     value = np.asarray(value)
     return jax.make_array_from_callback(value.shape, replicated_sharding(mesh), lambda index: value[index])
 
@@ -527,21 +528,12 @@ def _compiled_checksum(mesh: Mesh) -> Callable:
 
 
 def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
-    """Raise ReplicaDivergence unless every shard on every process holds bitwise the same params."""
-    checksums = _compiled_checksum(mesh)(params)
-    _raise_on_divergence(np.asarray(multihost_utils.process_allgather(checksums, tiled=True)), after_update, "")
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_population_checksum(mesh: Mesh) -> Callable:
-    return population_parallel(_bit_checksum, mesh)
-
-
-def check_population_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
-    """`check_replicas` for a population: within every member, every shard holds the same params."""
-    checksums = _compiled_population_checksum(mesh)(params)
-    for member, row in enumerate(np.asarray(multihost_utils.process_allgather(checksums, tiled=True))):
-        _raise_on_divergence(row, after_update, f" of member {member}")
+    """Raise ReplicaDivergence unless, within every member, every shard on every process
+    holds bitwise the same params."""
+    checksums = np.asarray(multihost_utils.process_allgather(_compiled_checksum(mesh)(params), tiled=True))
+    population = is_population(mesh)
+    for member, row in enumerate(checksums.reshape(-1, checksums.shape[-1])):
+        _raise_on_divergence(row, after_update, f" of member {member}" if population else "")
 
 
 def _raise_on_divergence(every_shard: np.ndarray, after_update: int, whose: str) -> None:

@@ -223,7 +223,7 @@ class Population:
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params,
             )
 
-        return sharding.population_parallel(init_shard, self.mesh)
+        return sharding.shard_parallel(init_shard, self.mesh)
 
     def learn_fn(self) -> Callable[[TrainState, MemberInputs, jax.Array], tuple[TrainState, UpdateMetrics]]:
         """`(state, inputs, num_updates)`: up to `updates_per_chunk` updates of every member in
@@ -235,7 +235,7 @@ class Population:
         def learn(state: TrainState, shard: MemberInputs, num_updates: jax.Array) -> tuple[TrainState, UpdateMetrics]:
             return run_updates(update, shard.hyperparams, state, num_updates, capacity)
 
-        return sharding.population_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
+        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
 
     def evaluate(self, state: TrainState, inputs: MemberInputs) -> EvalResult:
         """Every member's final deterministic evaluation, as a single run does it: host [members, episodes]."""
@@ -246,7 +246,7 @@ class Population:
             return evaluate_policy(self.env, self.network, shard_state.params, key, num_episodes,
                                    shard_state.obs_moments)
 
-        return sharding.member_first_shards(sharding.population_parallel(evaluate_shard, self.mesh)(state, inputs))
+        return sharding.member_first_shards(sharding.shard_parallel(evaluate_shard, self.mesh)(state, inputs))
 
 
 def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds: Optional[int] = None,
@@ -306,7 +306,7 @@ def train_chunks(population: Population, state: TrainState, inputs: MemberInputs
         curves.append(np.asarray(metrics.episode_return_mean, np.float64))
         updates_done += size
         if population.config.debug.check_replicas:
-            sharding.check_population_replicas(state.params, population.mesh, updates_done)
+            sharding.check_replicas(state.params, population.mesh, updates_done)
         train_seconds += time.perf_counter() - chunk_start  # the host's logging counts too
         known = [r for r in final_returns if r is not None]
         progress.update(
