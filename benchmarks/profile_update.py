@@ -87,7 +87,8 @@ def main() -> None:
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
-    lowered = experiment.learn_fn().lower(experiment.abstract_state(), train.abstract_update_count(experiment.mesh))
+    lowered = experiment.learn_fn().lower(experiment.abstract_state(), experiment.shard_inputs(),
+                                          train.abstract_update_count(experiment.mesh))
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
     chunk = lowered.compile()

@@ -43,9 +43,9 @@ class RunCounters:
     """Host-side state that continues across a resume."""
 
     update: int  # updates done; also the checkpoint's step number
-    env_steps: int
+    env_steps: int  # of one member
     train_seconds: float
-    final_episode_return: Optional[float]
+    final_episode_returns: tuple[Optional[float], ...]  # one per member
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -108,6 +108,9 @@ class Checkpointer:
         restored = self._manager.restore(
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
         )
+        if "final_episode_return" in counters:  # written by a single run before sweeps had checkpoints
+            counters["final_episode_returns"] = [counters.pop("final_episode_return")]
+        counters["final_episode_returns"] = tuple(counters["final_episode_returns"])
         return restored["state"], RunCounters(**counters)
 
     def restore_latest(self, abstract_state: Any, report: Callable[[str], None],

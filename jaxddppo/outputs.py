@@ -34,7 +34,7 @@ METRIC_FIELDS: dict[str, str] = {
 }
 
 # metrics.jsonl fields that are not TensorBoard scalars: `env_steps` is their step.
-_NOT_SCALARS = ("update", "env_steps")
+_NOT_SCALARS = ("member", "update", "env_steps")
 
 # Every field of summary.json, with its meaning.
 SUMMARY_FIELDS: dict[str, str] = {
@@ -159,10 +159,30 @@ class FanOut:
             sink.close()
 
 
-def open_metrics_sink(run_dir: str, tensorboard: bool) -> MetricsSink:
-    """metrics.jsonl in `run_dir`, and TensorBoard event files beside it if asked for."""
+class MemberTensorBoards:
+    """A sweep's TensorBoard events: one directory per member, RUN_DIR/tensorboard/member-<index>."""
+
+    def __init__(self, run_dir: str, num_members: int):
+        self._writers = [TensorBoardWriter(os.path.join(run_dir, "tensorboard", f"member-{member}"))
+                         for member in range(num_members)]
+
+    def write(self, rows: list[dict]) -> None:
+        for member, writer in enumerate(self._writers):
+            writer.write([row for row in rows if row["member"] == member])
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+
+
+def open_metrics_sink(run_dir: str, tensorboard: bool, sweep_members: Optional[int] = None) -> MetricsSink:
+    """metrics.jsonl in `run_dir`, and TensorBoard event files if asked for: beside it for
+    a run, one directory per member for a sweep of `sweep_members`."""
     jsonl = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
-    return FanOut([jsonl, TensorBoardWriter(run_dir)]) if tensorboard else jsonl
+    if not tensorboard:
+        return jsonl
+    events = TensorBoardWriter(run_dir) if sweep_members is None else MemberTensorBoards(run_dir, sweep_members)
+    return FanOut([jsonl, events])
 
 
 class Progress:

@@ -2,9 +2,10 @@
 
 A run's curve is the training episode return against env steps (from
 metrics.jsonl), its periodic evaluations as points with their standard
-deviation, and the final evaluation (from summary.json) as a star. `draw_curve`
-draws one curve with an optional band on any matplotlib Axes (sweeps use it for
-mean and spread over seeds). Figures are built without pyplot, so nothing here
+deviation, and the final evaluation (from summary.json) as a star. A sweep's
+curves.png shows, per grid point, the mean training return over its seeds and a
+band of +-1 standard deviation (`plot_sweep`). `draw_curve` draws one curve with
+an optional band on any matplotlib Axes. Figures are built without pyplot, so nothing here
 changes a notebook's matplotlib backend.
 """
 
@@ -14,7 +15,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -22,6 +23,7 @@ import yaml
 from jaxddppo.cli import OneLineParser
 
 CURVE_FILE = "learning_curve.png"
+SWEEP_CURVES_FILE = "curves.png"
 FIGURE_SIZE = (8.0, 5.0)  # inches
 DPI = 100
 
@@ -45,7 +47,8 @@ class RunCurve:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl, one per update, in update order.
+    """The rows of a metrics.jsonl, one per update (of each member, in a sweep's), in
+    member and update order.
 
     A resumed run appends to the same file and may log some updates again; the
     row written last for an update wins. A last line cut short (a run killed
@@ -53,19 +56,19 @@ def read_metrics(path: str) -> list[dict]:
     """
     with open(path) as handle:
         lines = handle.read().split("\n")
-    by_update: dict[int, dict] = {}
+    by_update: dict[tuple[int, int], dict] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            update = int(row["update"])
+            key = (int(row.get("member", 0)), int(row["update"]))
         except (ValueError, KeyError, TypeError):
             if number == len(lines):  # no newline after it: cut short
                 continue
             raise RunDirError(f"{path} line {number} is not a metrics row: {line[:80]!r}") from None
-        by_update[update] = row
-    return [by_update[update] for update in sorted(by_update)]
+        by_update[key] = row
+    return [by_update[key] for key in sorted(by_update)]
 
 
 def _column(rows: list[dict], field: str) -> np.ndarray:
@@ -147,21 +150,35 @@ def draw_run(ax: Any, run: RunCurve, color: Optional[str] = None) -> None:
                 linestyle="none")
 
 
-def plot_runs(runs: Sequence[RunCurve], path: str) -> None:
-    """Draw `runs` on one set of axes and save a PNG to `path` (written whole, then renamed)."""
+def _figure() -> tuple[Any, Any]:
     # Imported here: matplotlib takes a second to import, which every other command would pay.
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     figure = Figure(figsize=FIGURE_SIZE, dpi=DPI)
-    ax = figure.add_subplot()
+    return figure, figure.add_subplot()
+
+
+def _save(figure: Any, ax: Any, title: str, xlabel: str, handles: list, path: str) -> None:
+    """Label, lay out and save a PNG to `path` (written whole, then renamed)."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("episode return")
+    ax.grid(alpha=0.3)
+    ax.legend(handles=handles, fontsize="small")
+    figure.tight_layout()
+    temporary = f"{path}.tmp"
+    figure.savefig(temporary, format="png")
+    os.replace(temporary, path)
+
+
+def plot_runs(runs: Sequence[RunCurve], path: str) -> None:
+    """Draw `runs` on one set of axes and save a PNG to `path`."""
+    from matplotlib.lines import Line2D
+
+    figure, ax = _figure()
     for run in runs:
         draw_run(ax, run)
     env_ids = sorted({run.env_id for run in runs if run.env_id})
-    ax.set_title(", ".join(env_ids) if env_ids else "learning curve")
-    ax.set_xlabel("environment steps")
-    ax.set_ylabel("episode return")
-    ax.grid(alpha=0.3)
     handles, _ = ax.get_legend_handles_labels()
     if any(len(run.eval_env_steps) for run in runs):
         handles.append(Line2D([], [], color="gray", marker="o", linestyle="none",
@@ -169,11 +186,39 @@ def plot_runs(runs: Sequence[RunCurve], path: str) -> None:
     if any(run.final_eval is not None for run in runs):
         handles.append(Line2D([], [], color="gray", marker="*", markersize=11, markeredgecolor="black",
                               linestyle="none", label="final evaluation"))
-    ax.legend(handles=handles, fontsize="small")
-    figure.tight_layout()
-    temporary = f"{path}.tmp"
-    figure.savefig(temporary, format="png")
-    os.replace(temporary, path)
+    _save(figure, ax, ", ".join(env_ids) if env_ids else "learning curve", "environment steps", handles, path)
+
+
+def member_returns(rows: list[dict], num_members: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sweep's training returns from its metrics rows: env steps [updates] and returns
+    [members, updates] (NaN where no episode ended)."""
+    updates = sorted({int(row["update"]) for row in rows})
+    column = {update: index for index, update in enumerate(updates)}
+    steps = np.full(len(updates), np.nan)
+    returns = np.full((num_members, len(updates)), np.nan)
+    for row in rows:
+        index = column[int(row["update"])]
+        steps[index] = row["env_steps"]
+        if row.get("episode_return_mean") is not None:
+            returns[int(row["member"]), index] = row["episode_return_mean"]
+    return steps, returns
+
+
+def plot_sweep(run_dir: str, groups: Sequence[int], labels: Mapping[int, str], title: str, path: str) -> None:
+    """A sweep's curves from its metrics.jsonl: per group of members (`groups[member]`),
+    the mean training return over its members and a band of +-1 standard deviation."""
+    steps, returns = member_returns(read_metrics(os.path.join(run_dir, "metrics.jsonl")), len(groups))
+    figure, ax = _figure()
+    groups = np.asarray(groups)
+    for group, label in labels.items():
+        curves = returns[groups == group]
+        seen = np.isfinite(curves).any(axis=0)
+        mean, std = np.full(curves.shape[1], np.nan), np.full(curves.shape[1], np.nan)
+        mean[seen] = np.nanmean(curves[:, seen], axis=0)
+        std[seen] = np.nanstd(curves[:, seen], axis=0)
+        draw_curve(ax, steps, mean, label=f"{label} ({len(curves)} seeds)", band=(mean - std, mean + std))
+    handles, _ = ax.get_legend_handles_labels()
+    _save(figure, ax, title, "environment steps (per member)", handles, path)
 
 
 def save_learning_curve(run_dir: str) -> str:

@@ -280,37 +280,37 @@ def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.De
     return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
 
 
-def put_population(tree: Any, mesh: Mesh) -> Any:
-    """Host arrays with leading [num_members, num_shards] as global arrays over a population mesh."""
-    sharding = shard_sharding(mesh)
+def put_members(tree: Any, mesh: Mesh) -> Any:
+    """Host arrays leading [num_members, num_shards] as global arrays split over `mesh`,
+    each process holding its own part; a run's mesh (no member axis) takes its one member's
+    [num_shards]."""
+    placement = shard_sharding(mesh)
 
     def put(leaf: Any) -> jax.Array:
-        host = np.asarray(leaf)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        host = np.asarray(leaf) if is_population(mesh) else np.asarray(leaf)[0]
+        return jax.make_array_from_callback(host.shape, placement, lambda index: host[index])
 
     return jax.tree.map(put, tree)
 
 
-def member_first_shards(tree: Any) -> Any:
-    """Host copy of shard 0 of every member, for every leaf: [num_members, ...] (every process)."""
+def member_first_shards(tree: Any, mesh: Mesh) -> Any:
+    """Host copy of shard 0 of every member, for every leaf: [num_members, ...]. A
+    population's is gathered on every process; a run's is read from this process's devices."""
+    if not is_population(mesh):
+        return jax.tree.map(lambda leaf: leaf[None], first_shard(tree))
     gathered = multihost_utils.process_allgather(jax.tree.map(lambda leaf: leaf[:, 0], tree), tiled=True)
     return jax.tree.map(np.asarray, gathered)
 
 
-def params_digests(params: Any) -> list[float]:
-    """`params_digest` of every member of a population (shard 0 of each)."""
-    leaves = jax.tree.leaves(member_first_shards(params))
+def params_digests(params: Any, mesh: Mesh) -> list[float]:
+    """`params_digest` of every member (shard 0 of each)."""
+    leaves = jax.tree.leaves(member_first_shards(params, mesh))
     return [_host_digest([leaf[member] for leaf in leaves]) for member in range(leaves[0].shape[0])]
 
 
 def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
-    """The global array [0, 1, ..., num_shards-1], each process holding its own part."""
-    return global_shard_array(mesh, np.arange(num_shards, dtype=np.int32))
-
-
-def global_shard_array(mesh: Mesh, values: np.ndarray) -> jax.Array:
-    """Host `values` [num_shards, ...] as a global array split over the mesh, each process holding its own part."""
-    return jax.make_array_from_callback(values.shape, shard_sharding(mesh), lambda index: values[index])
+    """The global array [0, 1, ..., num_shards-1] over a run's mesh, each process holding its own part."""
+    return put_members(np.arange(num_shards, dtype=np.int32)[None], mesh)
 
 
 def shared_array(mesh: Mesh, value: np.ndarray) -> jax.Array:

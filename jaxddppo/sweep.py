@@ -18,50 +18,29 @@ import csv
 import itertools
 import os
 import sys
-import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
-from flax import struct
-from matplotlib.figure import Figure
 
 from jaxddppo import sharding
+from jaxddppo.checkpoint import RunCounters
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import (
-    Config,
-    ConfigError,
-    as_config,
-    help_text,
-    load_config,
-    options,
-    to_yaml,
-    with_overrides,
-)
-from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.eval_episodes import EvalResult, evaluate_policy
-from jaxddppo.outputs import MetricsWriter, Progress, json_safe, write_json
-from jaxddppo.networks import ActorCritic, make_actor_critic
-from jaxddppo.ppo import (
-    PPOHyperparams,
-    TrainState,
-    UpdateMetrics,
-    UpdateSettings,
-    init_train_state,
-    initial_params,
-    make_update,
-)
+from jaxddppo.config import Config, ConfigError, as_config, help_text, load_config, options, with_overrides
+from jaxddppo.outputs import Progress, json_safe, write_json
+from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
+from jaxddppo.ppo import PPOHyperparams, TrainState
 from jaxddppo.train import (
-    abstract_update_count,
-    chunk_episode_return,
-    chunk_plan,
-    claim_run_dir,
-    lower_and_compile,
-    metrics_rows,
+    Experiment,
+    Member,
+    Session,
+    Trained,
+    assemble,
     process_label,
-    run_updates,
-    update_count,
+    shared_run_dir,
+    train_experiment,
+    write_config,
 )
 
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
@@ -102,17 +81,6 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
     "best_eval_return_mean": "that setting's mean over seeds of the members' eval_return_mean",
     "best_eval_return_std": "standard deviation over seeds of the members' eval_return_mean",
 }
-
-
-@dataclass(frozen=True)
-class Member:
-    """One member of the population: a grid point and a seed."""
-
-    index: int
-    setting: int
-    seed: int
-    values: dict[str, Any]  # swept key -> value, as typed in the config
-    config: Config  # the single run this member is equivalent to
 
 
 def _config_value(config: Config, key: str) -> Any:
@@ -167,91 +135,9 @@ def expand_members(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds:
     return members
 
 
-@struct.dataclass
-class MemberInputs:
-    """What distinguishes the members, one entry per (member, shard): leaves [num_members, num_shards]."""
-
-    shard_index: jax.Array
-    seed: jax.Array
-    hyperparams: PPOHyperparams
-
-
-@dataclass(frozen=True)
-class Population:
-    """Everything static about a sweep, and its compiled-on-demand entry points."""
-
-    config: Config  # the base config, train.num_shards resolved
-    members: tuple[Member, ...]
-    placement: sharding.Placement
-    topology: sharding.Topology  # of one member
-    mesh: jax.sharding.Mesh
-    env: BatchedEnv
-    network: ActorCritic
-    settings: UpdateSettings
-
-    @property
-    def swept_keys(self) -> list[str]:
-        return list(self.members[0].values)
-
-    def inputs(self) -> MemberInputs:
-        num_members, num_shards = self.placement.num_members, self.placement.num_shards
-        grid = lambda per_member: np.repeat(np.asarray(per_member)[:, None], num_shards, axis=1)
-        hyperparams = [PPOHyperparams.from_config(member.config.ppo) for member in self.members]
-        host = MemberInputs(
-            shard_index=np.tile(np.arange(num_shards, dtype=np.int32), (num_members, 1)),
-            seed=grid(np.array([member.seed for member in self.members], np.int32)),
-            hyperparams=jax.tree.map(lambda *leaves: grid(np.stack(leaves)), *hyperparams),
-        )
-        return sharding.put_population(host, self.mesh)
-
-    def initial_params(self) -> Any:
-        """Every member's initial parameters, computed one member at a time: leaves [members, shards, ...]."""
-        example_obs, _ = self.env.reset(jax.random.key(0), 1)
-        init = jax.jit(lambda seed: initial_params(seed, self.network, example_obs))
-        per_member = [jax.device_get(init(np.int32(member.seed))) for member in self.members]
-        num_shards = self.placement.num_shards
-        stacked = jax.tree.map(
-            lambda *leaves: np.repeat(np.stack(leaves)[:, None], num_shards, axis=1), *per_member
-        )
-        return sharding.put_population(stacked, self.mesh)
-
-    def init_fn(self) -> Callable[[MemberInputs, Any], TrainState]:
-        """`(inputs, initial_params()) -> TrainState`: every member's initial state."""
-        def init_shard(shard: MemberInputs, params: Any) -> TrainState:
-            return init_train_state(
-                shard.shard_index, shard.seed, self.env, self.network,
-                self.topology.num_envs_per_shard, shard.hyperparams, self.settings, params,
-            )
-
-        return sharding.shard_parallel(init_shard, self.mesh)
-
-    def learn_fn(self) -> Callable[[TrainState, MemberInputs, jax.Array], tuple[TrainState, UpdateMetrics]]:
-        """`(state, inputs, num_updates)`: up to `updates_per_chunk` updates of every member in
-        one call, as many as `num_updates` says (`train.update_count`); metrics leaves [members,
-        shards, updates_per_chunk], zeros after the last update (`train.run_updates`)."""
-        update = make_update(self.env, self.network, self.settings)
-        capacity = self.topology.updates_per_chunk
-
-        def learn(state: TrainState, shard: MemberInputs, num_updates: jax.Array) -> tuple[TrainState, UpdateMetrics]:
-            return run_updates(update, shard.hyperparams, state, num_updates, capacity)
-
-        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
-
-    def evaluate(self, state: TrainState, inputs: MemberInputs) -> EvalResult:
-        """Every member's final deterministic evaluation, as a single run does it: host [members, episodes]."""
-        num_episodes = self.config.eval.num_episodes
-
-        def evaluate_shard(shard_state: TrainState, shard: MemberInputs) -> EvalResult:
-            key = jax.random.fold_in(jax.random.key(shard.seed), 2)
-            return evaluate_policy(self.env, self.network, shard_state.params, key, num_episodes,
-                                   shard_state.obs_moments)
-
-        return sharding.member_first_shards(sharding.shard_parallel(evaluate_shard, self.mesh)(state, inputs))
-
-
 def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds: Optional[int] = None,
                      member_devices: Optional[int] = None,
-                     devices: Optional[Sequence[jax.Device]] = None) -> Population:
+                     devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
     """Validate the grid, the placement and every size; compile nothing."""
     members = expand_members(config, grid, num_seeds)
     devices = list(jax.devices() if devices is None else devices)
@@ -259,84 +145,36 @@ def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seed
     with_shards = lambda c: replace(c, train=replace(c.train, num_shards=placement.num_shards))
     config = with_shards(config)
     members = [replace(member, config=with_shards(member.config)) for member in members]
-    env = make_env(config.env.id)
     topology = sharding.make_topology(config, num_devices=placement.shard_devices,
                                       num_processes=jax.process_count())
-    return Population(
-        config=config,
-        members=tuple(members),
-        placement=placement,
-        topology=topology,
-        mesh=sharding.make_population_mesh(placement, devices),
-        env=env,
-        network=make_actor_critic(config.network, env.spec),
-        settings=UpdateSettings.from_config(config, topology),
-    )
+    return assemble(config, members, sharding.make_population_mesh(placement, devices), topology)
 
 
-@dataclass(frozen=True)
-class PopulationLoop:
-    state: TrainState
-    train_seconds: float
-    final_returns: list[Optional[float]]  # per member
-    episode_returns: np.ndarray  # [members, updates], NaN where no episode ended
+def swept_keys(population: Experiment) -> list[str]:
+    return list(population.members[0].values)
 
 
-def train_chunks(population: Population, state: TrainState, inputs: MemberInputs, learn: Callable,
-                 writer: Optional[MetricsWriter], progress: Progress) -> PopulationLoop:
-    """Call, block, time, log: the host loop over chunks of updates of the whole population."""
-    topology, num_members = population.topology, population.placement.num_members
-    train_seconds, updates_done = 0.0, 0
-    final_returns: list[Optional[float]] = [None] * num_members
-    curves = []
-    for size in chunk_plan(0, topology.num_updates, topology.updates_per_chunk, 0):
-        chunk_start = time.perf_counter()
-        state, metrics = learn(state, inputs, update_count(population.mesh, size))
-        metrics = sharding.member_first_shards(metrics)  # blocks until the chunk is done
-        metrics = jax.tree.map(lambda column: column[:, :size], metrics)
-        chunk_seconds = time.perf_counter() - chunk_start
-        for member in range(num_members):
-            member_metrics = jax.tree.map(lambda leaf: leaf[member], metrics)
-            if writer is not None:
-                rows = metrics_rows(member_metrics, updates_done, topology.env_steps_per_update,
-                                    train_seconds + chunk_seconds)
-                writer.write([{"member": member, **row} for row in rows])
-            chunk_return = chunk_episode_return(member_metrics)
-            final_returns[member] = chunk_return if chunk_return is not None else final_returns[member]
-        curves.append(np.asarray(metrics.episode_return_mean, np.float64))
-        updates_done += size
-        if population.config.debug.check_replicas:
-            sharding.check_replicas(state.params, population.mesh, updates_done)
-        train_seconds += time.perf_counter() - chunk_start  # the host's logging counts too
-        known = [r for r in final_returns if r is not None]
-        progress.update(
-            updates_done * topology.env_steps_per_update * num_members,
-            size * topology.env_steps_per_update * num_members / chunk_seconds,
-            float(np.mean(known)) if known else None,
-        )
-    return PopulationLoop(state, train_seconds, final_returns, np.concatenate(curves, axis=1))
-
-
-def member_rows(population: Population, loop: PopulationLoop, evaluation: EvalResult) -> list[dict]:
+def member_rows(population: Experiment, trained: Trained) -> list[dict]:
     """The rows of sweep.csv: one per member."""
-    digests = sharding.params_digests(loop.state.params)
-    returns = np.asarray(evaluation.returns, np.float64)
+    digests = sharding.params_digests(trained.state.params, population.mesh)
+    evaluations = population.final_evaluations(trained.state)
     rows = []
-    for member in population.members:
+    for member, evaluation in zip(population.members, evaluations):
+        returns = np.asarray(evaluation.returns, np.float64)
         rows.append({
             "member": member.index,
             "setting": member.setting,
             "seed": member.seed,
             **member.values,
-            "final_episode_return": loop.final_returns[member.index],
-            "eval_return_mean": float(returns[member.index].mean()),
-            "eval_return_std": float(returns[member.index].std()),
+            "final_episode_return": trained.counters.final_episode_returns[member.index],
+            "eval_return_mean": float(returns.mean()),
+            "eval_return_std": float(returns.std()),
             "params_digest": digests[member.index],
         })
     return rows
 
 
-def setting_rows(population: Population, rows: list[dict]) -> list[dict]:
+def setting_rows(population: Experiment, rows: list[dict]) -> list[dict]:
     """One row per grid point: its values and mean / std over its seeds."""
     settings = []
     for setting in sorted({member.setting for member in population.members}):
@@ -346,7 +184,7 @@ def setting_rows(population: Population, rows: list[dict]) -> list[dict]:
                            for row in mine])
         settings.append({
             "setting": setting,
-            **{key: mine[0][key] for key in population.swept_keys},
+            **{key: mine[0][key] for key in swept_keys(population)},
             "num_seeds": len(mine),
             "eval_return_mean": float(eval_means.mean()),
             "eval_return_std": float(eval_means.std()),
@@ -364,46 +202,21 @@ def setting_label(values: Mapping[str, Any]) -> str:
                      for key, value in values.items()) or "all members"
 
 
-def format_table(population: Population, settings: list[dict]) -> str:
+def format_table(population: Experiment, settings: list[dict]) -> str:
     """Per-setting results, the best one marked with '*'."""
     best = best_setting(settings)["setting"]
-    header = ["", "setting", *population.swept_keys, "seeds", "eval return (mean +- std over seeds)", "final return"]
+    header = ["", "setting", *swept_keys(population), "seeds", "eval return (mean +- std over seeds)", "final return"]
     lines = []
     for row in settings:
         final = "n/a" if row["final_episode_return"] is None else f"{row['final_episode_return']:.1f}"
         lines.append([
             "*" if row["setting"] == best else "", str(row["setting"]),
-            *(f"{row[key]:g}" if isinstance(row[key], float) else str(row[key]) for key in population.swept_keys),
+            *(f"{row[key]:g}" if isinstance(row[key], float) else str(row[key]) for key in swept_keys(population)),
             str(row["num_seeds"]), f"{row['eval_return_mean']:.1f} +- {row['eval_return_std']:.1f}", final,
         ])
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     render = lambda cells: "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
     return "\n".join([render(header), *map(render, lines)])
-
-
-def plot_learning_curves(env_steps: np.ndarray, returns: np.ndarray, groups: Sequence[int],
-                         labels: Mapping[int, str], title: str, path: str) -> None:
-    """A PNG of the training return against env steps: per group, the mean over its members and a
-    band of +-1 standard deviation. `returns` is [members, points] (NaN where unknown)."""
-    figure = Figure(figsize=(7, 4.5), dpi=100)
-    axes = figure.subplots()
-    groups = np.asarray(groups)
-    for group, label in labels.items():
-        curves = returns[groups == group]
-        seen = np.isfinite(curves).any(axis=0)
-        mean = np.full(curves.shape[1], np.nan)
-        std = np.full(curves.shape[1], np.nan)
-        mean[seen] = np.nanmean(curves[:, seen], axis=0)
-        std[seen] = np.nanstd(curves[:, seen], axis=0)
-        (line,) = axes.plot(env_steps, mean, label=f"{label} ({len(curves)} seeds)")
-        axes.fill_between(env_steps, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
-    axes.set_xlabel("environment steps (per member)")
-    axes.set_ylabel("training episode return")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -416,14 +229,22 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 @dataclass(frozen=True)
 class SweepResult:
-    """What `run_sweep` returns; `members` are the rows of sweep.csv, `settings` the printed table."""
+    """What `run_sweep` returns; `members` are the rows of sweep.csv, `settings` the printed table
+    (the three are None when the sweep stopped before its last update: `stopped_by` says why)."""
 
-    summary: dict
-    members: list[dict]
-    settings: list[dict]
-    best: dict
+    summary: Optional[dict]
+    members: Optional[list[dict]]
+    settings: Optional[list[dict]]
+    best: Optional[dict]
     run_dir: str
     state: TrainState  # leaves [num_members, num_shards, ...]
+    counters: RunCounters
+    stopped_by: Optional[str] = None
+
+    @property
+    def preempted(self) -> bool:
+        """Stopped early by a signal (SIGTERM, SIGINT), with a checkpoint to resume from."""
+        return self.stopped_by not in (None, "stop_after_updates")
 
     @property
     def metrics_path(self) -> str:
@@ -431,54 +252,51 @@ class SweepResult:
 
     @property
     def plot_path(self) -> str:
-        return os.path.join(self.run_dir, "curves.png")
+        return os.path.join(self.run_dir, SWEEP_CURVES_FILE)
 
 
-def _summary(population: Population, loop: PopulationLoop, compile_seconds: float, best: dict) -> dict:
-    topology, placement = population.topology, population.placement
-    per_member = topology.num_updates * topology.env_steps_per_update
-    total = per_member * placement.num_members
+def _summary(population: Experiment, trained: Trained, best: dict) -> dict:
+    topology, mesh, counters = population.topology, population.mesh, trained.counters
+    num_members = len(population.members)
+    num_settings = len({member.setting for member in population.members})
+    total = counters.env_steps * num_members
     return {
         "env_id": population.config.env.id,
-        "swept_keys": population.swept_keys,
-        "num_members": placement.num_members,
-        "num_settings": len({member.setting for member in population.members}),
-        "num_seeds": placement.num_members // len({member.setting for member in population.members}),
-        "num_shards": placement.num_shards,
-        "member_devices": placement.member_devices,
-        "shard_devices": placement.shard_devices,
-        "num_devices": population.mesh.devices.size,
+        "swept_keys": swept_keys(population),
+        "num_members": num_members,
+        "num_settings": num_settings,
+        "num_seeds": num_members // num_settings,
+        "num_shards": topology.num_shards,
+        "member_devices": mesh.shape[sharding.MEMBER_AXIS],
+        "shard_devices": mesh.shape[sharding.DEVICE_AXIS],
+        "num_devices": mesh.devices.size,
         "num_processes": jax.process_count(),
         "backend": jax.default_backend(),
         "jax_version": jax.__version__,
-        "env_steps_per_member": per_member,
+        "env_steps_per_member": counters.env_steps,
         "total_env_steps": total,
-        "compile_seconds": round(compile_seconds, 3),
-        "train_seconds": round(loop.train_seconds, 3),
-        "env_steps_per_second": round(total / loop.train_seconds, 1),
-        "best_setting": {key: best[key] for key in population.swept_keys},
+        "compile_seconds": round(trained.compile_seconds, 3),
+        "train_seconds": round(counters.train_seconds, 3),
+        "env_steps_per_second": round(total / counters.train_seconds, 1),
+        "best_setting": {key: best[key] for key in swept_keys(population)},
         "best_eval_return_mean": best["eval_return_mean"],
         "best_eval_return_std": best["eval_return_std"],
     }
 
 
-def _write_results(population: Population, result: SweepResult, loop: PopulationLoop) -> None:
-    write_csv(os.path.join(result.run_dir, "sweep.csv"), result.members)
-    write_json(os.path.join(result.run_dir, "summary.json"), result.summary)
-    topology = population.topology
-    env_steps = np.arange(1, topology.num_updates + 1) * topology.env_steps_per_update
-    labels = {row["setting"]: setting_label({key: row[key] for key in population.swept_keys})
-              for row in result.settings}
-    plot_learning_curves(env_steps, loop.episode_returns, [m.setting for m in population.members], labels,
-                         f"{population.config.env.id}: {population.placement.num_members} members",
-                         result.plot_path)
+def save_curves(population: Experiment, run_dir: str) -> None:
+    """curves.png: per grid point, the mean training return over its seeds and a +-1 std band."""
+    labels = {member.setting: setting_label(member.values) for member in population.members}
+    plot_sweep(run_dir, [member.setting for member in population.members], labels,
+               f"{population.config.env.id}: {len(population.members)} members",
+               os.path.join(run_dir, SWEEP_CURVES_FILE))
 
 
 def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,
               seeds: Optional[int] = None, member_devices: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None) -> SweepResult:
-    """Train grid x seeds as one population; write config.yaml, metrics.jsonl, sweep.csv, summary.json
-    and curves.png to the run dir and print the per-setting table.
+    """Train grid x seeds as one population; write config.yaml, metrics.jsonl, checkpoints,
+    sweep.csv, summary.json and curves.png to the run dir and print the per-setting table.
 
     `grid` maps dotted keys to value lists, e.g. {"ppo.learning_rate": [3e-4, 1e-3]};
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
@@ -486,59 +304,61 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     config = as_config(config)
     backend_warnings = sharding.start_backend(config)
     population = build_population(config, grid or {}, seeds, member_devices, devices)
-    config, topology, placement = population.config, population.topology, population.placement
+    config, topology, num_members = population.config, population.topology, len(population.members)
     is_writer = jax.process_index() == 0
-    run_dir = claim_run_dir(config.run.dir, f"sweep-{config.env.id}") if is_writer else ""
+    run_dir = shared_run_dir(config, f"sweep-{config.env.id}")
     if is_writer:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as handle:
-            handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
-    progress = Progress(topology.num_updates * topology.env_steps_per_update * placement.num_members,
+        write_config(run_dir, config)
+    progress = Progress(topology.num_updates * topology.env_steps_per_update * num_members,
                         config.run.progress and is_writer)
+    mesh = population.mesh
     progress.message(
-        f"jaxddppo sweep{process_label()}: {config.env.id}, {placement.num_members} member(s) "
+        f"jaxddppo sweep{process_label()}: {config.env.id}, {num_members} member(s) "
         f"({len({member.setting for member in population.members})} setting(s)) x "
-        f"{placement.num_shards} shard(s) on {population.mesh.devices.size} {jax.default_backend()} device(s) "
-        f"({placement.member_devices} member rows x {placement.shard_devices} shard columns); "
+        f"{topology.num_shards} shard(s) on {mesh.devices.size} {jax.default_backend()} device(s) "
+        f"({mesh.shape[sharding.MEMBER_AXIS]} member rows x {mesh.shape[sharding.DEVICE_AXIS]} shard columns); "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps per member"
         + (f"; writing to {run_dir}" if is_writer else "")
     )
     for warning in backend_warnings:
         progress.message(warning)
-    compile_start = time.perf_counter()
-    inputs = population.inputs()
-    params = population.initial_params()
-    abstract_count = abstract_update_count(population.mesh)
-    compiled = lower_and_compile(
-        lambda: population.init_fn().trace(inputs, params),
-        lambda state: {"learn": lambda: population.learn_fn().lower(state, inputs, abstract_count)},
-    )
-    state = compiled["init"](inputs, params)
-    jax.block_until_ready(state)
-    compile_seconds = time.perf_counter() - compile_start
-
-    writer = MetricsWriter(os.path.join(run_dir, "metrics.jsonl")) if is_writer else None
     try:
-        loop = train_chunks(population, state, inputs, compiled["learn"], writer, progress)
+        trained = train_experiment(population, Session(run_dir, progress, False, None))
+        result = _results(population, trained, run_dir)
+        if is_writer:
+            save_curves(population, run_dir)
+        if result.summary is not None:
+            _report(population, result, progress)
     finally:
         progress.close()
-        if writer is not None:
-            writer.close()
-    rows = member_rows(population, loop, population.evaluate(loop.state, inputs))
+    return result
+
+
+def _results(population: Experiment, trained: Trained, run_dir: str) -> SweepResult:
+    """sweep.csv and summary.json (process 0 writes them) when the sweep is done."""
+    if trained.stopped_by is not None:
+        return SweepResult(None, None, None, None, run_dir, trained.state, trained.counters, trained.stopped_by)
+    rows = member_rows(population, trained)
     settings = setting_rows(population, rows)
     best = best_setting(settings)
-    result = SweepResult(_summary(population, loop, compile_seconds, best), rows, settings, best, run_dir,
-                         loop.state)
+    summary = _summary(population, trained, best)
+    if jax.process_index() == 0:
+        write_csv(os.path.join(run_dir, "sweep.csv"), rows)
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+    return SweepResult(summary, rows, settings, best, run_dir, trained.state, trained.counters)
+
+
+def _report(population: Experiment, result: SweepResult, progress: Progress) -> None:
+    summary, best = result.summary, result.best
+    is_writer = jax.process_index() == 0
     if is_writer:
-        _write_results(population, result, loop)
-        print(format_table(population, settings), flush=True)
-    summary = result.summary
+        print(format_table(population, result.settings), flush=True)
     progress.message(
-        f"done{process_label()}: {summary['total_env_steps']:,} steps in {loop.train_seconds:.1f} s "
-        f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); best "
+        f"done{process_label()}: {summary['total_env_steps']:,} steps in {result.counters.train_seconds:.1f} s "
+        f"({summary['env_steps_per_second']:,.0f} steps/s, compile {summary['compile_seconds']:.1f} s); best "
         f"{setting_label(summary['best_setting'])}: eval return {best['eval_return_mean']:.1f} +- "
-        f"{best['eval_return_std']:.1f} over seeds" + (f"; {run_dir}/sweep.csv" if is_writer else "")
+        f"{best['eval_return_std']:.1f} over seeds" + (f"; {result.run_dir}/sweep.csv" if is_writer else "")
     )
-    return result
 
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:

@@ -42,7 +42,7 @@ from jaxddppo.config import (
     to_yaml,
 )
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.eval_episodes import EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy
 from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.plot import save_learning_curve
@@ -88,74 +88,98 @@ def abstract_update_count(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(mesh))
 
 
+@dataclass(frozen=True)
+class Member:
+    """One member of a population: a grid point and a seed. A single run is the only
+    member of its population."""
+
+    index: int
+    setting: int
+    seed: int
+    values: dict[str, Any]  # swept key -> value, as typed in the config (empty for a single run)
+    config: Config  # the single run this member is equivalent to
+
+
 @struct.dataclass
 class ShardInputs:
-    """Each shard's traced inputs to the initialisation and the evaluation, leaves
-    [num_shards]: its global index and the run's seed. The seed is an argument, not a
-    constant of the program, so that one compiled program serves every seed (and JAX's
-    persistent compilation cache serves a run with another seed)."""
+    """Each shard's traced inputs, leaves leading with the state axes ([num_shards] for a
+    run, [num_members, num_shards] for a population): its global index within its member,
+    and its member's seed and hyperparameters. They are arguments, not constants of the
+    programs, so that one compiled program serves every seed and every hyperparameter
+    (and JAX's persistent compilation cache serves a run with other ones)."""
 
     shard_index: jax.Array
     seed: jax.Array
+    hyperparams: PPOHyperparams
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """Everything static about a run, and its compiled-on-demand entry points."""
+    """Everything static about a population of members, and its compiled-on-demand entry
+    points. A single run is a population of one on a mesh without a member axis; a sweep's
+    mesh has one (`sharding.make_population_mesh`)."""
 
-    config: Config
-    topology: sharding.Topology
+    config: Config  # the base config, train.num_shards resolved
+    members: tuple[Member, ...]
+    topology: sharding.Topology  # of one member
     mesh: jax.sharding.Mesh
     env: BatchedEnv
     network: ActorCritic
     settings: UpdateSettings
-    hyperparams: PPOHyperparams
+
+    @property
+    def is_sweep(self) -> bool:
+        """A sweep's outputs name the member of every metrics row, even a population of one."""
+        return sharding.is_population(self.mesh)
 
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
-        """`(shard_inputs) -> TrainState`: the initial global state, leaves [num_shards, ...]."""
-        topology = self.topology
-
+        """`(shard_inputs) -> TrainState`: the initial global state, leaves leading with the state axes."""
         def init_shard(shard: ShardInputs) -> TrainState:
             return init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
-                topology.num_envs_per_shard, self.hyperparams, self.settings,
+                self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
 
         return sharding.shard_parallel(init_shard, self.mesh)
 
     def shard_inputs(self) -> ShardInputs:
         num_shards = self.topology.num_shards
-        seeds = np.full(num_shards, self.config.train.seed, np.int32)
-        return ShardInputs(shard_index=sharding.global_shard_indices(self.mesh, num_shards),
-                           seed=sharding.global_shard_array(self.mesh, seeds))
+        per_shard = lambda per_member: np.repeat(np.asarray(per_member)[:, None], num_shards, axis=1)
+        hyperparams = [PPOHyperparams.from_config(member.config.ppo) for member in self.members]
+        return sharding.put_members(ShardInputs(
+            shard_index=np.tile(np.arange(num_shards, dtype=np.int32), (len(self.members), 1)),
+            seed=per_shard(np.array([member.seed for member in self.members], np.int32)),
+            hyperparams=jax.tree.map(lambda *leaves: per_shard(np.stack(leaves)), *hyperparams),
+        ), self.mesh)
 
     def init_state(self) -> TrainState:
-        """The global training state: leaves [num_shards, ...] split over the mesh."""
+        """The global training state, split over the mesh."""
         return self.init_fn()(self.shard_inputs())
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
         placement = sharding.shard_sharding(self.mesh)
         return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
-                            jax.eval_shape(self.init_state))
+                            jax.eval_shape(self.init_fn(), self.shard_inputs()))
 
-    def learn_fn(self) -> Callable[[TrainState, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
-        """`(state, num_updates)`: up to `updates_per_chunk` updates in one jitted call, as
-        many as `num_updates` says (`update_count(mesh, n)`). Returns the new state, the metrics
-        (leaves [num_shards, updates_per_chunk], see `run_updates`) and whether every
-        parameter is finite afterwards ([num_shards] bools, checked in the same program to
-        spare the host loop a call)."""
+    def learn_fn(self) -> Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
+        """`(state, shard_inputs, num_updates)`: up to `updates_per_chunk` updates of every
+        member in one jitted call, as many as `num_updates` says (`update_count(mesh, n)`).
+        Returns the new state, the metrics (leaves [..., updates_per_chunk] after the state
+        axes, see `run_updates`) and whether every parameter is finite afterwards (a bool
+        per shard, checked in the same program to spare the host loop a call)."""
         update = make_update(self.env, self.network, self.settings)
-        hyperparams, capacity = self.hyperparams, self.topology.updates_per_chunk
+        capacity = self.topology.updates_per_chunk
 
-        def learn(state: TrainState, num_updates: jax.Array) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
+        def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
+                  ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
+            state, metrics = run_updates(update, shard.hyperparams, state, num_updates, capacity)
             return state, metrics, all_finite(state.params)
 
-        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(1,))
+        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
-        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf [num_shards].
+        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf per shard.
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
@@ -170,25 +194,43 @@ class Experiment:
 
         return sharding.shard_parallel(evaluate, self.mesh)
 
+    def final_evaluations(self, state: TrainState) -> list[EvalResult]:
+        """Every member's final deterministic evaluation of its shard 0, on the host, one
+        member after another with one compiled program (`jaxddppo.evaluate` reproduces it)."""
+        params, obs_moments = sharding.member_first_shards((state.params, state.obs_moments), self.mesh)
+        evaluate = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))
+        return [
+            evaluate(self.env, self.network, jax.tree.map(lambda leaf: leaf[member.index], params),
+                     final_eval_key(member.config), self.config.eval.num_episodes,
+                     jax.tree.map(lambda leaf: leaf[member.index], obs_moments))
+            for member in self.members
+        ]
 
-def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
-    """Validate everything that needs the environment and the devices; compile nothing.
 
-    `devices` defaults to every device of every process.
-    """
+def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
+             topology: sharding.Topology) -> Experiment:
+    """The experiment of `members` (whose configs differ from `config` in seed and
+    hyperparameters at most) on `mesh`; compiles nothing."""
     env = make_env(config.env.id)
-    mesh = sharding.make_mesh(devices)
-    topology = sharding.make_topology(config, num_devices=mesh.devices.size)
-    network = make_actor_critic(config.network, env.spec)
     return Experiment(
         config=config,
+        members=tuple(members),
         topology=topology,
         mesh=mesh,
         env=env,
-        network=network,
+        network=make_actor_critic(config.network, env.spec),
         settings=UpdateSettings.from_config(config, topology),
-        hyperparams=PPOHyperparams.from_config(config.ppo),
     )
+
+
+def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
+    """A single run: a population of one on a mesh over `devices` (default: every device
+    of every process). Validates everything that needs the environment and the devices;
+    compiles nothing."""
+    mesh = sharding.make_mesh(devices)
+    topology = sharding.make_topology(config, num_devices=mesh.devices.size)
+    member = Member(index=0, setting=0, seed=config.train.seed, values={}, config=config)
+    return assemble(config, [member], mesh, topology)
 
 
 @dataclass(frozen=True)
@@ -215,15 +257,15 @@ class NonFiniteError(RuntimeError):
     """Training produced NaN or Inf; the message names the update and the quantity."""
 
 
-def claim_run_dir(path: Optional[str], env_id: str) -> str:
+def claim_run_dir(path: Optional[str], name: str) -> str:
     """Create the run directory and claim it by creating metrics.jsonl exclusively.
 
     An explicit `run.dir` that already holds a run is refused (nothing is
     overwritten, even by two runs started together); the default
-    `runs/<env>-<timestamp>` takes a numbered suffix instead.
+    `runs/<name>-<timestamp>` takes a numbered suffix instead.
     """
     explicit = path is not None
-    base = path if explicit else os.path.join("runs", f"{env_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    base = path if explicit else os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     candidate, attempt = base, 1
     while True:
         if os.path.exists(candidate) and not os.path.isdir(candidate):
@@ -244,7 +286,7 @@ def claim_run_dir(path: Optional[str], env_id: str) -> str:
             raise ConfigError(f"run.dir={candidate!r} cannot be created: {error.strerror}") from None
 
 
-def shared_run_dir(config: Config) -> str:
+def shared_run_dir(config: Config, name: str) -> str:
     """Process 0 claims the run directory; every process learns its path (checkpoints need it)."""
     if jax.process_index() != 0:
         run_dir = sharding.broadcast_text("")
@@ -252,7 +294,7 @@ def shared_run_dir(config: Config) -> str:
             raise sharding.DistributedError("process 0 could not create the run directory; see its error")
         return run_dir
     try:
-        run_dir = claim_run_dir(config.run.dir, config.env.id)
+        run_dir = claim_run_dir(config.run.dir, name)
     except ConfigError:
         sharding.broadcast_text("")
         raise
@@ -354,25 +396,26 @@ class PeriodicEval:
 
     every_updates: int
     evaluate: Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]
-    shard_inputs: ShardInputs
 
-    def after(self, state: TrainState, updates_done: int) -> Optional[EvalStats]:
-        """Evaluate the current policy if `updates_done` is on the cadence; host statistics or None."""
+    def after(self, state: TrainState, inputs: ShardInputs, updates_done: int,
+              mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
+        """Evaluate every member's current policy if `updates_done` is on the cadence: host
+        statistics, leaves [num_members], or None."""
         if updates_done % self.every_updates:
             return None
-        return sharding.first_shard(
-            self.evaluate(state.params, state.obs_moments, state.update_index, self.shard_inputs)
-        )
+        stats = self.evaluate(state.params, state.obs_moments, state.update_index, inputs)
+        return sharding.member_first_shards(stats, mesh)
 
 
 @dataclass(frozen=True)
 class Programs:
-    """Everything a run executes, compiled: the initialisation, the chunk of updates
+    """Everything a population executes, compiled: the initialisation, the chunk of updates
     (`Experiment.learn_fn`, one program for chunks of every length) and the periodic
-    evaluation (None when `eval.every_updates` is 0)."""
+    evaluation (None when `eval.every_updates` is 0), with their traced inputs."""
 
+    inputs: ShardInputs
     init: Callable[[ShardInputs], TrainState]
-    learn: Callable[[TrainState, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
+    learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     periodic_eval: Optional[PeriodicEval]
 
 
@@ -392,12 +435,13 @@ def lower_and_compile(trace_init: Callable[[], jax.stages.Traced],
 
 
 def compile_programs(experiment: Experiment) -> Programs:
-    """The run's initialisation, chunk of updates and, if asked, periodic evaluation, compiled."""
+    """The initialisation, chunk of updates and, if asked, periodic evaluation, compiled."""
     inputs = experiment.shard_inputs()
     every_updates = experiment.config.eval.every_updates
 
     def lowerings_from_state(state: TrainState) -> dict[str, Callable[[], jax.stages.Lowered]]:
-        lowerings = {"learn": lambda: experiment.learn_fn().lower(state, abstract_update_count(experiment.mesh))}
+        count = abstract_update_count(experiment.mesh)
+        lowerings = {"learn": lambda: experiment.learn_fn().lower(state, inputs, count)}
         if every_updates:
             lowerings["eval"] = lambda: experiment.eval_fn().lower(
                 state.params, state.obs_moments, state.update_index, inputs
@@ -405,10 +449,8 @@ def compile_programs(experiment: Experiment) -> Programs:
         return lowerings
 
     compiled = lower_and_compile(lambda: experiment.init_fn().trace(inputs), lowerings_from_state)
-    periodic_eval = None
-    if every_updates:
-        periodic_eval = PeriodicEval(every_updates, compiled["eval"], inputs)
-    return Programs(init=compiled["init"], learn=compiled["learn"], periodic_eval=periodic_eval)
+    periodic_eval = PeriodicEval(every_updates, compiled["eval"]) if every_updates else None
+    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], periodic_eval=periodic_eval)
 
 
 @dataclass(frozen=True)
@@ -419,51 +461,86 @@ class LoopResult:
     stopped_by: Optional[str]
 
 
+@dataclass(frozen=True)
+class LoopOutputs:
+    """Where the host loop reports and saves."""
+
+    writer: Optional[MetricsSink]  # process 0 only
+    progress: Progress
+    checkpointer: Checkpointer
+    signals: StopSignals
+
+
+def chunk_rows(experiment: Experiment, metrics: list[UpdateMetrics], first_update: int, wall_seconds: float,
+               evaluations: Optional[EvalStats]) -> list[dict]:
+    """The metrics rows of one chunk, member after member (`metrics`: host, one per member);
+    a sweep's rows lead with their member."""
+    rows = []
+    for member, member_metrics in enumerate(metrics):
+        evaluation = None if evaluations is None else jax.tree.map(lambda leaf: leaf[member], evaluations)
+        member_rows = metrics_rows(member_metrics, first_update, experiment.topology.env_steps_per_update,
+                                   wall_seconds, evaluation)
+        rows += [{"member": member, **row} for row in member_rows] if experiment.is_sweep else member_rows
+    return rows
+
+
+def check_finite(metrics: list[UpdateMetrics], params_finite: np.ndarray, first_update: int,
+                 name_members: bool) -> None:
+    """Raise NonFiniteError naming the member (in a sweep), the update and the quantity."""
+    for member, member_metrics in enumerate(metrics):
+        whose = f" of member {member}" if name_members else ""
+        bad = first_non_finite(member_metrics)
+        if bad is not None:
+            offset, name = bad
+            raise NonFiniteError(f"non-finite {name}{whose} at update {first_update + offset + 1}")
+        if not params_finite[member]:
+            size = len(np.asarray(member_metrics.policy_loss))
+            raise NonFiniteError(f"non-finite parameters{whose} after update {first_update + size}")
+
+
 def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
-                 counters: RunCounters, writer: Optional[MetricsSink], progress: Progress,
-                 checkpointer: Checkpointer, signals: StopSignals) -> LoopResult:
-    """Call, block, time, log, check, checkpoint: the host loop over chunks of updates.
+                 counters: RunCounters, outputs: LoopOutputs) -> LoopResult:
+    """Call, block, time, log, check, checkpoint: the host loop over chunks of updates of
+    every member.
 
     Raises NonFiniteError, after logging the chunk, without saving it.
     """
-    topology, config = experiment.topology, experiment.config
+    topology, config, mesh = experiment.topology, experiment.config, experiment.mesh
+    num_members = len(experiment.members)
     schedule = SaveSchedule(config.checkpoint.every_updates, config.checkpoint.every_seconds)
     saved_update, periodic_eval = None, programs.periodic_eval
     for size in sizes:
         chunk_start = time.perf_counter()
-        state, metrics, params_finite = programs.learn(state, update_count(experiment.mesh, size))
-        metrics, params_finite = sharding.first_shard((metrics, params_finite))  # blocks until the chunk is done
-        metrics = jax.tree.map(lambda column: column[:size], metrics)
+        state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
+        metrics, params_finite = sharding.member_first_shards((metrics, params_finite), mesh)  # blocks
+        per_member = [jax.tree.map(lambda column: column[member, :size], metrics) for member in range(num_members)]
         chunk_seconds = time.perf_counter() - chunk_start
-        first_update = counters.update
-        chunk_return = chunk_episode_return(metrics)
-        update = first_update + size
+        first_update, update = counters.update, counters.update + size
         eval_start = time.perf_counter()
-        evaluation = periodic_eval.after(state, update) if periodic_eval is not None else None
+        evaluations = periodic_eval.after(state, programs.inputs, update, mesh) if periodic_eval else None
         eval_seconds = time.perf_counter() - eval_start
-        if writer is not None:
-            writer.write(metrics_rows(metrics, first_update, topology.env_steps_per_update,
-                                      counters.train_seconds + chunk_seconds, evaluation))
-        bad = first_non_finite(metrics)
-        if bad is not None:
-            offset, name = bad
-            raise NonFiniteError(f"non-finite {name} at update {first_update + offset + 1}")
-        if not params_finite:
-            raise NonFiniteError(f"non-finite parameters after update {update}")
+        if outputs.writer is not None:
+            outputs.writer.write(chunk_rows(experiment, per_member, first_update,
+                                            counters.train_seconds + chunk_seconds, evaluations))
+        check_finite(per_member, params_finite, first_update, experiment.is_sweep)
         if config.debug.check_replicas:
-            sharding.check_replicas(state.params, experiment.mesh, update)
+            sharding.check_replicas(state.params, mesh, update)
+        returns = [chunk_episode_return(member_metrics) for member_metrics in per_member]
         # Training time counts the host's work between chunks (logging, checks) but not evaluations.
         counters = RunCounters(
             update=update,
             env_steps=update * topology.env_steps_per_update,
             train_seconds=counters.train_seconds + time.perf_counter() - chunk_start - eval_seconds,
-            final_episode_return=chunk_return if chunk_return is not None else counters.final_episode_return,
+            final_episode_returns=tuple(new if new is not None else old
+                                        for new, old in zip(returns, counters.final_episode_returns)),
         )
-        progress.update(counters.env_steps, size * topology.env_steps_per_update / chunk_seconds,
-                        counters.final_episode_return)
-        stop, save_due = signals.agreed(schedule.due_by_time())
+        known = [value for value in counters.final_episode_returns if value is not None]
+        outputs.progress.update(counters.env_steps * num_members,
+                                size * topology.env_steps_per_update * num_members / chunk_seconds,
+                                float(np.mean(known)) if known else None)
+        stop, save_due = outputs.signals.agreed(schedule.due_by_time())
         if stop is not None or save_due or schedule.due_by_update(update):
-            checkpointer.save(state, counters)
+            outputs.checkpointer.save(state, counters)
             schedule.saved()
             saved_update = update
         if stop is not None:
@@ -471,13 +548,10 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     return LoopResult(state, counters, saved_update, None)
 
 
-def summarise(experiment: Experiment, state: TrainState, counters: RunCounters, compile_seconds: float) -> dict:
+def summarise(experiment: Experiment, trained: Trained) -> dict:
     """Evaluate the final policy deterministically and assemble summary.json."""
-    config, topology = experiment.config, experiment.topology
-    evaluation = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
-        experiment.env, experiment.network, sharding.first_shard(state.params),
-        final_eval_key(config), config.eval.num_episodes, sharding.first_shard(state.obs_moments),
-    )
+    config, topology, counters = experiment.config, experiment.topology, trained.counters
+    evaluation = experiment.final_evaluations(trained.state)[0]
     eval_returns = np.asarray(evaluation.returns, np.float64)
     return {
         "env_id": config.env.id,
@@ -488,21 +562,25 @@ def summarise(experiment: Experiment, state: TrainState, counters: RunCounters, 
         "num_processes": topology.num_processes,
         "backend": jax.default_backend(),
         "jax_version": jax.__version__,
-        "compile_seconds": round(compile_seconds, 3),
+        "compile_seconds": round(trained.compile_seconds, 3),
         "train_seconds": round(counters.train_seconds, 3),
         "env_steps_per_second": round(counters.env_steps / counters.train_seconds, 1),
-        "final_episode_return": counters.final_episode_return,
+        "final_episode_return": counters.final_episode_returns[0],
         "eval_return_mean": float(eval_returns.mean()),
         "eval_return_std": float(eval_returns.std()),
         "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
         "eval_episodes": config.eval.num_episodes,
-        "params_digest": sharding.params_digest(state.params),
+        "params_digest": sharding.params_digests(trained.state.params, experiment.mesh)[0],
     }
 
 
 def final_eval_key(config: Config) -> jax.Array:
     """The key of the final evaluation (`jaxddppo.evaluate` uses it too, to reproduce it)."""
     return jax.random.fold_in(jax.random.key(config.train.seed), 2)
+
+
+def fresh_counters(num_members: int) -> RunCounters:
+    return RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_returns=(None,) * num_members)
 
 
 def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str, progress: Progress,
@@ -512,7 +590,7 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
     A run stopped before its first checkpoint completed starts again from `state`
     (update 0); its metrics rows are written anew, identical.
     """
-    counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
+    counters = fresh_counters(len(experiment.members))
     if checkpointer.steps():
         state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
         progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
@@ -532,6 +610,87 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
     return state, counters
 
 
+@dataclass(frozen=True)
+class Trained:
+    """What `train_experiment` returns: the state, the counters, the compile time, and why
+    training stopped before its last update (a signal, or `stop_after_updates`), if it did."""
+
+    state: TrainState
+    counters: RunCounters
+    compile_seconds: float
+    stopped_by: Optional[str]
+
+
+@dataclass(frozen=True)
+class Session:
+    """Where and how a population trains: its run directory (claimed by process 0, or an
+    earlier run's to resume), its progress output, and when to stop early."""
+
+    run_dir: str
+    progress: Progress
+    resume: bool
+    stop_after_updates: Optional[int]
+
+
+def train_experiment(experiment: Experiment, session: Session) -> Trained:
+    """Compile, initialise or restore, train chunk after chunk with checkpoints, and save
+    the last update: what a run and a sweep share. The caller writes the results."""
+    config, topology, progress = experiment.config, experiment.topology, session.progress
+    checkpointer = Checkpointer(session.run_dir, config.checkpoint.keep, config.checkpoint.async_save)
+    try:
+        trained = _train(experiment, session, checkpointer)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+    if trained.stopped_by is not None:
+        command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
+        progress.message(
+            f"stopped{process_label()} by {trained.stopped_by} after update {trained.counters.update} of "
+            f"{topology.num_updates}; checkpoint {checkpointer.directory}/{trained.counters.update}; continue with: "
+            f"python -m {command} --resume {session.run_dir}"
+        )
+    return trained
+
+
+def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer) -> Trained:
+    config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
+    compile_start = time.perf_counter()
+    stop_update = min(topology.num_updates, session.stop_after_updates or topology.num_updates)
+    programs = compile_programs(experiment)
+    state = programs.init(programs.inputs)
+    counters = fresh_counters(len(experiment.members))
+    restored_update = None
+    if session.resume:
+        state, counters = restore_run(experiment, checkpointer, session.run_dir, session.progress, state)
+        restored_update = counters.update if counters.update else None
+        if is_writer:
+            write_config(session.run_dir, config)  # with the resume's overrides, once they proved valid
+    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
+    jax.block_until_ready(state)
+    compile_seconds = time.perf_counter() - compile_start
+
+    sweep_members = len(experiment.members) if experiment.is_sweep else None
+    writer = open_metrics_sink(session.run_dir, config.run.tensorboard, sweep_members) if is_writer else None
+    try:
+        with StopSignals(session.progress.message) as signals:
+            loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters,
+                                LoopOutputs(writer, session.progress, checkpointer, signals))
+    except NonFiniteError as error:
+        checkpointer.wait()
+        newest = checkpointer.latest_step()
+        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
+            else "no checkpoint had been saved"
+        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
+    finally:
+        if writer is not None:
+            writer.close()
+    state, counters = loop.state, loop.counters
+    stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
+    if counters.update not in (loop.saved_update, restored_update):
+        checkpointer.save(state, counters)
+    return Trained(state=state, counters=counters, compile_seconds=compile_seconds, stopped_by=stopped_by)
+
+
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
         resume: bool = False, stop_after_updates: Optional[int] = None) -> TrainResult:
     """Train with `config` (a Config, a nested dict or a YAML path), writing config.yaml,
@@ -548,8 +707,9 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     experiment = build(config, devices)
     topology = experiment.topology
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
+    experiment = replace(experiment, config=config)
     is_writer = jax.process_index() == 0
-    run_dir = config.run.dir if resume else shared_run_dir(config)
+    run_dir = config.run.dir if resume else shared_run_dir(config, config.env.id)
     if is_writer and not resume:
         write_config(run_dir, config)
     progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)
@@ -561,72 +721,24 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     )
     for warning in backend_warnings:
         progress.message(warning)
-    checkpointer = Checkpointer(run_dir, config.checkpoint.keep, config.checkpoint.async_save)
     try:
-        return _train(experiment, config, run_dir, progress, checkpointer, resume, stop_after_updates)
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
-        progress.close()
-
-
-def _train(experiment: Experiment, config: Config, run_dir: str, progress: Progress, checkpointer: Checkpointer,
-           resume: bool, stop_after_updates: Optional[int]) -> TrainResult:
-    topology, is_writer = experiment.topology, jax.process_index() == 0
-    compile_start = time.perf_counter()
-    stop_update = min(topology.num_updates, stop_after_updates or topology.num_updates)
-    programs = compile_programs(experiment)
-    state = programs.init(experiment.shard_inputs())
-    counters = RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_return=None)
-    restored_update = None
-    if resume:
-        state, counters = restore_run(experiment, checkpointer, run_dir, progress, state)
-        restored_update = counters.update if counters.update else None
+        trained = train_experiment(experiment, Session(run_dir, progress, resume, stop_after_updates))
+        summary = None if trained.stopped_by is not None else summarise(experiment, trained)
         if is_writer:
-            write_config(run_dir, config)  # with the resume's overrides, once they proved valid
-    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
-    jax.block_until_ready(state)
-    compile_seconds = time.perf_counter() - compile_start
-
-    writer = open_metrics_sink(run_dir, config.run.tensorboard) if is_writer else None
-    try:
-        with StopSignals(progress.message) as signals:
-            loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters, writer, progress,
-                                checkpointer, signals)
-    except NonFiniteError as error:
-        checkpointer.wait()
-        newest = checkpointer.latest_step()
-        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
-            else "no checkpoint had been saved"
-        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
-    finally:
-        if writer is not None:
-            writer.close()
-    state, counters = loop.state, loop.counters
-    stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
-    if counters.update not in (loop.saved_update, restored_update):
-        checkpointer.save(state, counters)
-    checkpointer.wait()
-    if stopped_by is not None:
-        if is_writer:
+            if summary is not None:
+                write_json(os.path.join(run_dir, "summary.json"), summary)
             save_learning_curve(run_dir)
-        progress.message(
-            f"stopped{process_label()} by {stopped_by} after update {counters.update} of {topology.num_updates}; "
-            f"checkpoint {checkpointer.directory}/{counters.update}; continue with: "
-            f"python -m jaxddppo.train --resume {run_dir}"
-        )
-        return TrainResult(summary=None, state=state, run_dir=run_dir, counters=counters, stopped_by=stopped_by)
-    summary = summarise(experiment, state, counters, compile_seconds)
-    if is_writer:
-        write_json(os.path.join(run_dir, "summary.json"), summary)
-        save_learning_curve(run_dir)
-    progress.message(
-        f"done{process_label()}: {summary['total_env_steps']:,} steps in {counters.train_seconds:.1f} s "
-        f"({summary['env_steps_per_second']:,.0f} steps/s, compile {compile_seconds:.1f} s); "
-        f"eval return {summary['eval_return_mean']:.1f} +- {summary['eval_return_std']:.1f}"
-        + (f"; {run_dir}/summary.json" if is_writer else "")
-    )
-    return TrainResult(summary=summary, state=state, run_dir=run_dir, counters=counters)
+        if summary is not None:
+            progress.message(
+                f"done{process_label()}: {summary['total_env_steps']:,} steps in "
+                f"{trained.counters.train_seconds:.1f} s ({summary['env_steps_per_second']:,.0f} steps/s, "
+                f"compile {trained.compile_seconds:.1f} s); eval return {summary['eval_return_mean']:.1f} +- "
+                f"{summary['eval_return_std']:.1f}" + (f"; {run_dir}/summary.json" if is_writer else "")
+            )
+    finally:
+        progress.close()
+    return TrainResult(summary=summary, state=trained.state, run_dir=run_dir, counters=trained.counters,
+                       stopped_by=trained.stopped_by)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

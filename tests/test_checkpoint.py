@@ -244,14 +244,14 @@ def test_all_finite_finds_one_non_finite_element_in_any_leaf():
 
 def test_chunk_reports_whether_its_parameters_are_finite():
     experiment = build(small_config(Path("unused")), devices=jax.devices()[:2])
-    learn, one = experiment.learn_fn(), update_count(experiment.mesh, 1)
-    _, _, finite = learn(experiment.init_state(), one)
+    learn, inputs, one = experiment.learn_fn(), experiment.shard_inputs(), update_count(experiment.mesh, 1)
+    _, _, finite = learn(experiment.init_state(), inputs, one)
     assert np.asarray(finite).tolist() == [True] * 4
     state = experiment.init_state()
     first_leaf = jax.tree.leaves(state.params)[0]
     poisoned = state.replace(params=jax.tree.map(
         lambda leaf: leaf.at[2].set(np.inf) if leaf is first_leaf else leaf, state.params))
-    _, _, finite = learn(poisoned, one)
+    _, _, finite = learn(poisoned, inputs, one)
     assert not np.asarray(finite).any()
 
 
@@ -263,8 +263,8 @@ def test_non_finite_parameters_stop_the_run_naming_the_update(tmp_path, monkeypa
     def learn_fn_reporting_non_finite(self):
         learn = learn_fn(self)
 
-        def learn_then_report_non_finite(state, num_updates):
-            state, metrics, finite = learn(state, num_updates)
+        def learn_then_report_non_finite(state, inputs, num_updates):
+            state, metrics, finite = learn(state, inputs, num_updates)
             return state, metrics, jnp.zeros_like(finite)
 
         return jax.jit(learn_then_report_non_finite)

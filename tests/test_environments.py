@@ -86,10 +86,10 @@ def test_a_chunk_takes_the_state_it_returns_when_the_environment_state_is_weakly
                         "train": {"total_env_steps": 16, "updates_per_chunk": 1}})
     experiment = dataclasses.replace(build(config, jax.devices()[:1]), env=CountingCartPole())
     state = experiment.init_state()
-    one = update_count(experiment.mesh, 1)
-    learn = experiment.learn_fn().lower(state, one).compile()
+    inputs, one = experiment.shard_inputs(), update_count(experiment.mesh, 1)
+    learn = experiment.learn_fn().lower(state, inputs, one).compile()
     for _ in range(2):
-        state, metrics, finite = learn(state, one)
+        state, metrics, finite = learn(state, inputs, one)
     assert bool(np.all(finite))
     np.testing.assert_array_equal(np.asarray(state.rollout.env.env_state["count"]), np.full((1, 2), 8.0))
 

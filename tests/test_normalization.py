@@ -198,9 +198,9 @@ def test_training_keeps_global_statistics_in_the_state():
         "train": {"num_shards": 4, "total_env_steps": 8 * 8 * 2, "updates_per_chunk": 1},
     })
     experiment = build(config, jax.devices())
-    learn, one = experiment.learn_fn(), update_count(experiment.mesh, 1)
-    state, _, _ = learn(experiment.init_state(), one)
-    state, _, _ = learn(state, one)
+    learn, inputs, one = experiment.learn_fn(), experiment.shard_inputs(), update_count(experiment.mesh, 1)
+    state, _, _ = learn(experiment.init_state(), inputs, one)
+    state, _, _ = learn(state, inputs, one)
     assert learn._cache_size() == 1, "the second chunk recompiled"
     moments = sharding.all_shards((state.obs_moments, state.return_moments))
     assert np.all(moments[0].count == 2 * 8 * 8) and np.all(moments[1].count == 2 * 8 * 8)

@@ -124,9 +124,9 @@ def runs_by_device_count():
     for num_devices in (1, 2, 4):
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
-        learn, three = experiment.learn_fn(), train.update_count(experiment.mesh, 3)
-        state, _, _ = learn(state, three)
-        state, metrics, _ = learn(state, three)
+        learn, inputs, three = experiment.learn_fn(), experiment.shard_inputs(), train.update_count(experiment.mesh, 3)
+        state, _, _ = learn(state, inputs, three)
+        state, metrics, _ = learn(state, inputs, three)
         results[num_devices] = (experiment, state, metrics, learn)
     return results
 
@@ -172,13 +172,14 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
     experiment, _, _, _ = runs_by_device_count[2]
     update = make_update(experiment.env, experiment.network, experiment.settings)
 
-    def scan_updates(state):
-        return jax.lax.scan(lambda s, _: update(s, experiment.hyperparams), state, length=3)
+    def scan_updates(state, shard):
+        return jax.lax.scan(lambda s, _: update(s, shard.hyperparams), state, length=3)
 
-    scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state())
+    inputs = experiment.shard_inputs()
+    scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state(), inputs)
     learn = experiment.learn_fn()
-    state, first_metrics, _ = learn(experiment.init_state(), train.update_count(experiment.mesh, 2))
-    state, second_metrics, _ = learn(state, train.update_count(experiment.mesh, 1))
+    state, first_metrics, _ = learn(experiment.init_state(), inputs, train.update_count(experiment.mesh, 2))
+    state, second_metrics, _ = learn(state, inputs, train.update_count(experiment.mesh, 1))
     assert learn._cache_size() == 1
     for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -329,7 +330,8 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
         init = experiment.init_fn().lower(inputs)
         state = init.out_info
         evaluate = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
-        return init, evaluate, experiment.learn_fn().lower(state, train.abstract_update_count(experiment.mesh))
+        learn = experiment.learn_fn().lower(state, inputs, train.abstract_update_count(experiment.mesh))
+        return init, evaluate, learn
 
     first, other = experiment_with_seed(0), experiment_with_seed(5)
     first_programs = lowered_programs(first)
