@@ -122,26 +122,37 @@ def truncate_metrics(path: str, last_update: int) -> int:
 
 
 class TensorBoardWriter:
-    """Every numeric metrics.jsonl field as a scalar named like the field, at step `env_steps`.
+    """Every numeric metrics.jsonl field as a scalar named like the field, at step `env_steps`:
+    a run's in `run_dir`, each member's of a sweep in `run_dir`/tensorboard/member-<index>.
 
     Null fields (no episode ended, no evaluation on that update) are skipped.
     """
 
-    def __init__(self, log_dir: str):
-        # Imported here: only runs that ask for TensorBoard pay for the import.
-        from tensorboardX import SummaryWriter
+    def __init__(self, run_dir: str):
+        self._run_dir = run_dir
+        self._writers: dict[Optional[int], Any] = {}
 
-        self._writer = SummaryWriter(logdir=log_dir)
+    def _writer(self, member: Optional[int]) -> Any:
+        if member not in self._writers:
+            # Imported here: only runs that ask for TensorBoard pay for the import.
+            from tensorboardX import SummaryWriter
+
+            log_dir = self._run_dir if member is None else os.path.join(self._run_dir, "tensorboard", f"member-{member}")
+            self._writers[member] = SummaryWriter(logdir=log_dir)
+        return self._writers[member]
 
     def write(self, rows: list[dict]) -> None:
         for row in rows:
+            writer = self._writer(row.get("member"))
             for name, value in row.items():
                 if name not in _NOT_SCALARS and value is not None and math.isfinite(value):
-                    self._writer.add_scalar(name, value, global_step=row["env_steps"])
-        self._writer.flush()
+                    writer.add_scalar(name, value, global_step=row["env_steps"])
+        for writer in self._writers.values():
+            writer.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        for writer in self._writers.values():
+            writer.close()
 
 
 class FanOut:
@@ -159,30 +170,10 @@ class FanOut:
             sink.close()
 
 
-class MemberTensorBoards:
-    """A sweep's TensorBoard events: one directory per member, RUN_DIR/tensorboard/member-<index>."""
-
-    def __init__(self, run_dir: str, num_members: int):
-        self._writers = [TensorBoardWriter(os.path.join(run_dir, "tensorboard", f"member-{member}"))
-                         for member in range(num_members)]
-
-    def write(self, rows: list[dict]) -> None:
-        for member, writer in enumerate(self._writers):
-            writer.write([row for row in rows if row["member"] == member])
-
-    def close(self) -> None:
-        for writer in self._writers:
-            writer.close()
-
-
-def open_metrics_sink(run_dir: str, tensorboard: bool, sweep_members: Optional[int] = None) -> MetricsSink:
-    """metrics.jsonl in `run_dir`, and TensorBoard event files if asked for: beside it for
-    a run, one directory per member for a sweep of `sweep_members`."""
+def open_metrics_sink(run_dir: str, tensorboard: bool) -> MetricsSink:
+    """metrics.jsonl in `run_dir`, and TensorBoard event files if asked for."""
     jsonl = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
-    if not tensorboard:
-        return jsonl
-    events = TensorBoardWriter(run_dir) if sweep_members is None else MemberTensorBoards(run_dir, sweep_members)
-    return FanOut([jsonl, events])
+    return FanOut([jsonl, TensorBoardWriter(run_dir)]) if tensorboard else jsonl
 
 
 class Progress:

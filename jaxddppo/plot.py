@@ -189,25 +189,13 @@ def plot_runs(runs: Sequence[RunCurve], path: str) -> None:
     _save(figure, ax, ", ".join(env_ids) if env_ids else "learning curve", "environment steps", handles, path)
 
 
-def member_returns(rows: list[dict], num_members: int) -> tuple[np.ndarray, np.ndarray]:
-    """A sweep's training returns from its metrics rows: env steps [updates] and returns
-    [members, updates] (NaN where no episode ended)."""
-    updates = sorted({int(row["update"]) for row in rows})
-    column = {update: index for index, update in enumerate(updates)}
-    steps = np.full(len(updates), np.nan)
-    returns = np.full((num_members, len(updates)), np.nan)
-    for row in rows:
-        index = column[int(row["update"])]
-        steps[index] = row["env_steps"]
-        if row.get("episode_return_mean") is not None:
-            returns[int(row["member"]), index] = row["episode_return_mean"]
-    return steps, returns
-
-
 def plot_sweep(run_dir: str, groups: Sequence[int], labels: Mapping[int, str], title: str, path: str) -> None:
     """A sweep's curves from its metrics.jsonl: per group of members (`groups[member]`),
-    the mean training return over its members and a band of +-1 standard deviation."""
-    steps, returns = member_returns(read_metrics(os.path.join(run_dir, "metrics.jsonl")), len(groups))
+    the mean training return over its members and a band of +-1 standard deviation (every
+    member has a row for every update)."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))  # member-major
+    steps = _column(rows, "env_steps").reshape(len(groups), -1)[0]
+    returns = _column(rows, "episode_return_mean").reshape(len(groups), -1)
     figure, ax = _figure()
     groups = np.asarray(groups)
     for group, label in labels.items():

@@ -308,11 +308,6 @@ def params_digests(params: Any, mesh: Mesh) -> list[float]:
     return [_host_digest([leaf[member] for leaf in leaves]) for member in range(leaves[0].shape[0])]
 
 
-def global_shard_indices(mesh: Mesh, num_shards: int) -> jax.Array:
-    """The global array [0, 1, ..., num_shards-1] over a run's mesh, each process holding its own part."""
-    return put_members(np.arange(num_shards, dtype=np.int32)[None], mesh)
-
-
 def shared_array(mesh: Mesh, value: np.ndarray) -> jax.Array:
     """Host `value` as a global array replicated on every device of the mesh: an argument
     at `shared_argnums` of `shard_parallel`."""

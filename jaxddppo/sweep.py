@@ -1,11 +1,15 @@
-"""Sweeps: `python -m jaxddppo.sweep --config FILE [--seeds N] [section.key=[v1,v2,...] ...]`.
+"""Sweeps: `python -m jaxddppo.sweep --config FILE [--seeds N] [section.key=[v1,v2,...] ...]`
+or `python -m jaxddppo.sweep --resume RUN_DIR`.
 
 A sweep trains a population, grid points x seeds, as one compiled program:
 every member has the structural config of the base run (env, sizes, network)
 and its own seed and float hyperparameters, which are traced inputs vmapped
 over the members. Members are spread over a (member, device) mesh
 (`sharding.place_population`); each member is a data-parallel DD-PPO run
-over its own shards and trains as the single run of its config would.
+over its own shards and trains as the single run of its config would. The
+training itself is a run's (`train.train_experiment`: checkpoints, resume,
+preemption, NaN guard, periodic evaluation); this module expands the grid and
+writes sweep.csv, summary.json and curves.png.
 
 Structural keys (anything that changes array shapes or the compiled program)
 are refused in a grid: run one sweep per value.
@@ -16,36 +20,47 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from jaxddppo import sharding
-from jaxddppo.checkpoint import RunCounters
+from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, RunCounters
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import Config, ConfigError, as_config, help_text, load_config, options, with_overrides
+from jaxddppo.config import (
+    RESUMABLE_KEYS,
+    Config,
+    ConfigError,
+    as_config,
+    help_text,
+    load_config,
+    load_resume_config,
+    options,
+    with_overrides,
+)
 from jaxddppo.outputs import Progress, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
 from jaxddppo.ppo import PPOHyperparams, TrainState
 from jaxddppo.train import (
     Experiment,
     Member,
-    Session,
-    Trained,
+    NonFiniteError,
+    TrainResult,
     assemble,
     process_label,
-    shared_run_dir,
+    start_session,
     train_experiment,
-    write_config,
 )
 
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
 SWEEPABLE_KEYS: tuple[str, ...] = tuple(f"ppo.{name}" for name in PPOHyperparams.__dataclass_fields__)
 SEED_KEY = "train.seed"
+SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
 
 # Every column of sweep.csv besides the swept keys (which follow `seed`), with its meaning.
 SWEEP_CSV_FIELDS: dict[str, str] = {
@@ -154,7 +169,7 @@ def swept_keys(population: Experiment) -> list[str]:
     return list(population.members[0].values)
 
 
-def member_rows(population: Experiment, trained: Trained) -> list[dict]:
+def member_rows(population: Experiment, trained: TrainResult) -> list[dict]:
     """The rows of sweep.csv: one per member."""
     digests = sharding.params_digests(trained.state.params, population.mesh)
     evaluations = population.final_evaluations(trained.state)
@@ -228,23 +243,14 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 @dataclass(frozen=True)
-class SweepResult:
-    """What `run_sweep` returns; `members` are the rows of sweep.csv, `settings` the printed table
-    (the three are None when the sweep stopped before its last update: `stopped_by` says why)."""
+class SweepResult(TrainResult):
+    """What `run_sweep` returns: a run's result (`state` leaves [num_members, num_shards, ...]),
+    and `members`, the rows of sweep.csv, `settings`, the printed table, and the best of
+    them (None, like `summary`, when the sweep stopped before its last update)."""
 
-    summary: Optional[dict]
-    members: Optional[list[dict]]
-    settings: Optional[list[dict]]
-    best: Optional[dict]
-    run_dir: str
-    state: TrainState  # leaves [num_members, num_shards, ...]
-    counters: RunCounters
-    stopped_by: Optional[str] = None
-
-    @property
-    def preempted(self) -> bool:
-        """Stopped early by a signal (SIGTERM, SIGINT), with a checkpoint to resume from."""
-        return self.stopped_by not in (None, "stop_after_updates")
+    members: Optional[list[dict]] = None
+    settings: Optional[list[dict]] = None
+    best: Optional[dict] = None
 
     @property
     def metrics_path(self) -> str:
@@ -255,7 +261,7 @@ class SweepResult:
         return os.path.join(self.run_dir, SWEEP_CURVES_FILE)
 
 
-def _summary(population: Experiment, trained: Trained, best: dict) -> dict:
+def _summary(population: Experiment, trained: TrainResult, best: dict) -> dict:
     topology, mesh, counters = population.topology, population.mesh, trained.counters
     num_members = len(population.members)
     num_settings = len({member.setting for member in population.members})
@@ -292,39 +298,54 @@ def save_curves(population: Experiment, run_dir: str) -> None:
                os.path.join(run_dir, SWEEP_CURVES_FILE))
 
 
+@dataclass(frozen=True)
+class SweepSpec:
+    """What makes a population out of a base config, kept in the run dir (sweep.json) for a resume."""
+
+    grid: dict[str, list[Any]]
+    seeds: Optional[int] = None
+    member_devices: Optional[int] = None
+
+
+def write_spec(run_dir: str, spec: SweepSpec) -> None:
+    write_json(os.path.join(run_dir, SPEC_FILE), asdict(spec))
+
+
+def read_spec(run_dir: str) -> SweepSpec:
+    """The grid, seeds and member devices of the sweep in `run_dir`; ConfigError if it has none."""
+    try:
+        with open(os.path.join(run_dir, SPEC_FILE)) as handle:
+            return SweepSpec(**json.load(handle))
+    except FileNotFoundError:
+        raise ConfigError(f"{run_dir} has no {SPEC_FILE}: not a sweep's run directory "
+                          "(resume a single run with python -m jaxddppo.train --resume)") from None
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{os.path.join(run_dir, SPEC_FILE)} is unreadable: {error}") from None
+
+
 def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,
               seeds: Optional[int] = None, member_devices: Optional[int] = None,
-              devices: Optional[Sequence[jax.Device]] = None) -> SweepResult:
-    """Train grid x seeds as one population; write config.yaml, metrics.jsonl, checkpoints,
-    sweep.csv, summary.json and curves.png to the run dir and print the per-setting table.
+              devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
+              stop_after_updates: Optional[int] = None) -> SweepResult:
+    """Train grid x seeds as one population; write config.yaml, sweep.json, metrics.jsonl,
+    checkpoints, sweep.csv, summary.json and curves.png to the run dir and print the
+    per-setting table.
 
     `grid` maps dotted keys to value lists, e.g. {"ppo.learning_rate": [3e-4, 1e-3]};
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
+    With `resume`, `config.run.dir` holds an earlier sweep of the same grid (`resume_sweep`
+    reads both); `stop_after_updates` stops with a checkpoint, as `train.run` does.
     """
     config = as_config(config)
     backend_warnings = sharding.start_backend(config)
-    population = build_population(config, grid or {}, seeds, member_devices, devices)
-    config, topology, num_members = population.config, population.topology, len(population.members)
-    is_writer = jax.process_index() == 0
-    run_dir = shared_run_dir(config, f"sweep-{config.env.id}")
-    if is_writer:
-        write_config(run_dir, config)
-    progress = Progress(topology.num_updates * topology.env_steps_per_update * num_members,
-                        config.run.progress and is_writer)
-    mesh = population.mesh
-    progress.message(
-        f"jaxddppo sweep{process_label()}: {config.env.id}, {num_members} member(s) "
-        f"({len({member.setting for member in population.members})} setting(s)) x "
-        f"{topology.num_shards} shard(s) on {mesh.devices.size} {jax.default_backend()} device(s) "
-        f"({mesh.shape[sharding.MEMBER_AXIS]} member rows x {mesh.shape[sharding.DEVICE_AXIS]} shard columns); "
-        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps per member"
-        + (f"; writing to {run_dir}" if is_writer else "")
-    )
-    for warning in backend_warnings:
-        progress.message(warning)
+    spec = SweepSpec({key: list(values) for key, values in (grid or {}).items()}, seeds, member_devices)
+    population = build_population(config, spec.grid, seeds, member_devices, devices)
+    session = start_session(population, f"sweep-{population.config.env.id}", resume, stop_after_updates, backend_warnings)
+    run_dir, progress, is_writer = session.run_dir, session.progress, jax.process_index() == 0
+    if is_writer and not resume:
+        write_spec(run_dir, spec)
     try:
-        trained = train_experiment(population, Session(run_dir, progress, False, None))
-        result = _results(population, trained, run_dir)
+        result = _results(population, train_experiment(population, session))
         if is_writer:
             save_curves(population, run_dir)
         if result.summary is not None:
@@ -334,18 +355,20 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     return result
 
 
-def _results(population: Experiment, trained: Trained, run_dir: str) -> SweepResult:
+def _results(population: Experiment, trained: TrainResult) -> SweepResult:
     """sweep.csv and summary.json (process 0 writes them) when the sweep is done."""
     if trained.stopped_by is not None:
-        return SweepResult(None, None, None, None, run_dir, trained.state, trained.counters, trained.stopped_by)
+        return SweepResult(None, trained.state, trained.run_dir, trained.counters, trained.compile_seconds,
+                           trained.stopped_by)
     rows = member_rows(population, trained)
     settings = setting_rows(population, rows)
     best = best_setting(settings)
     summary = _summary(population, trained, best)
     if jax.process_index() == 0:
-        write_csv(os.path.join(run_dir, "sweep.csv"), rows)
-        write_json(os.path.join(run_dir, "summary.json"), summary)
-    return SweepResult(summary, rows, settings, best, run_dir, trained.state, trained.counters)
+        write_csv(os.path.join(trained.run_dir, "sweep.csv"), rows)
+        write_json(os.path.join(trained.run_dir, "summary.json"), summary)
+    return SweepResult(summary, trained.state, trained.run_dir, trained.counters, trained.compile_seconds,
+                       members=rows, settings=settings, best=best)
 
 
 def _report(population: Experiment, result: SweepResult, progress: Progress) -> None:
@@ -359,6 +382,15 @@ def _report(population: Experiment, result: SweepResult, progress: Progress) -> 
         f"{setting_label(summary['best_setting'])}: eval return {best['eval_return_mean']:.1f} +- "
         f"{best['eval_return_std']:.1f} over seeds" + (f"; {result.run_dir}/sweep.csv" if is_writer else "")
     )
+
+
+def resume_sweep(run_dir: str, overrides: Sequence[str] = (), devices: Optional[Sequence[jax.Device]] = None,
+                 stop_after_updates: Optional[int] = None) -> SweepResult:
+    """Continue the sweep in `run_dir` from its newest checkpoint, with its config.yaml and
+    sweep.json and the overrides a resume allows."""
+    spec = read_spec(run_dir)
+    return run_sweep(load_resume_config(run_dir, overrides), spec.grid, spec.seeds, spec.member_devices, devices,
+                     resume=True, stop_after_updates=stop_after_updates)
 
 
 def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -406,11 +438,19 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         description="Train a grid of hyperparameters x seeds as one population over every device. "
         "A list value, section.key=[v1,v2], sweeps that key; other section.key=value items override the "
         f"config of every member. Sweepable keys: {', '.join(SWEEPABLE_KEYS)}, {SEED_KEY}. Results: "
-        "sweep.csv, metrics.jsonl (with a member column), curves.png, summary.json in run.dir.",
+        "sweep.csv, metrics.jsonl (with a member column), curves.png, summary.json, checkpoints/ in run.dir; "
+        "--resume continues a sweep from its newest checkpoint. Exit codes: 0 done, 1 failed (non-finite numbers, "
+        f"distributed errors), 2 bad input, {PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved.",
         epilog="configuration keys (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
+    source.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the sweep in RUN_DIR (its config.yaml, sweep.json and newest checkpoint) "
+                        f"with its grid; overrides may change only {', '.join(RESUMABLE_KEYS)}")
+    parser.add_argument("--stop-after-updates", type=int, metavar="N",
+                        help="stop with a checkpoint once every member has done N updates (the sweep can be resumed)")
     parser.add_argument("--seeds", type=int, help="seeds per grid point: train.seed, train.seed+1, ... (default 1)")
     parser.add_argument("--member-devices", type=int,
                         help="devices the members are split over (default: as many as divide the member count). "
@@ -419,32 +459,46 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "many as divide the member count")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value|[v1,v2,...]",
                         help="override or sweep one option")
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if args.stop_after_updates is not None and args.stop_after_updates < 1:
+        parser.error(f"--stop-after-updates={args.stop_after_updates} must be at least 1")
+    if args.resume is not None and (args.seeds is not None or args.member_devices is not None):
+        parser.error("--seeds and --member-devices cannot change on --resume: the sweep keeps its own")
+    return args
+
+
+def start(args: argparse.Namespace) -> SweepResult:
+    """The sweep the command line asks for: a new one, or the resumed one."""
+    plain, grid = split_overrides(args.overrides)
+    if args.resume is not None:
+        if grid:
+            raise ConfigError(f"{', '.join(grid)} cannot be swept on --resume: the sweep keeps its own grid")
+        return resume_sweep(args.resume, plain, stop_after_updates=args.stop_after_updates)
+    config = load_config(args.config, plain)
+    if args.member_devices is None:
+        num_members = len(expand_members(config, grid, args.seeds))
+        split = with_cpu_device_per_core(config, num_members, sharding.usable_cpu_cores(), os.environ)
+        if split is not config and config.run.progress:
+            print(f"jaxddppo sweep: run.cpu_devices={split.run.cpu_devices}, one CPU device per core for "
+                  f"{num_members} members (run.cpu_devices=1 keeps one device)", flush=True)
+        config = split
+    return run_sweep(config, grid, args.seeds, args.member_devices, stop_after_updates=args.stop_after_updates)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     try:
-        plain, grid = split_overrides(args.overrides)
-        config = load_config(args.config, plain)
-        if args.member_devices is None:
-            num_members = len(expand_members(config, grid, args.seeds))
-            split = with_cpu_device_per_core(config, num_members, sharding.usable_cpu_cores(), os.environ)
-            if split is not config and config.run.progress:
-                print(f"jaxddppo sweep: run.cpu_devices={split.run.cpu_devices}, one CPU device per core for "
-                      f"{num_members} members (run.cpu_devices=1 keeps one device)", flush=True)
-            config = split
-        run_sweep(config, grid, args.seeds, args.member_devices)
-    except ConfigError as error:
+        result = start(args)
+    except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (sharding.DistributedError, sharding.ReplicaDivergence) as error:
+    except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return PREEMPTED_EXIT_CODE if result.preempted else 0
 
 
 if __name__ == "__main__":

@@ -226,18 +226,19 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
 def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
     """A single run: a population of one on a mesh over `devices` (default: every device
     of every process). Validates everything that needs the environment and the devices;
-    compiles nothing."""
+    compiles nothing. The experiment's config has train.num_shards resolved."""
     mesh = sharding.make_mesh(devices)
     topology = sharding.make_topology(config, num_devices=mesh.devices.size)
+    config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     member = Member(index=0, setting=0, seed=config.train.seed, values={}, config=config)
     return assemble(config, [member], mesh, topology)
 
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What `run` returns.
+    """What `run` returns (`train_experiment` too, without a summary).
 
-    `summary` is summary.json's content, or None when the run stopped before its
+    `summary` is summary.json's content, or None when training stopped before its
     last update (`stopped_by` then names why: a signal or `stop_after_updates`).
     """
 
@@ -245,6 +246,7 @@ class TrainResult:
     state: TrainState
     run_dir: str
     counters: RunCounters
+    compile_seconds: float
     stopped_by: Optional[str] = None
 
     @property
@@ -390,67 +392,43 @@ def process_label() -> str:
 
 
 @dataclass(frozen=True)
-class PeriodicEval:
-    """The compiled evaluation and its cadence. Every process calls it after the same
-    chunks: it is a collective over all shards."""
-
-    every_updates: int
-    evaluate: Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]
-
-    def after(self, state: TrainState, inputs: ShardInputs, updates_done: int,
-              mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
-        """Evaluate every member's current policy if `updates_done` is on the cadence: host
-        statistics, leaves [num_members], or None."""
-        if updates_done % self.every_updates:
-            return None
-        stats = self.evaluate(state.params, state.obs_moments, state.update_index, inputs)
-        return sharding.member_first_shards(stats, mesh)
-
-
-@dataclass(frozen=True)
 class Programs:
-    """Everything a population executes, compiled: the initialisation, the chunk of updates
-    (`Experiment.learn_fn`, one program for chunks of every length) and the periodic
-    evaluation (None when `eval.every_updates` is 0), with their traced inputs."""
+    """Everything a population executes, compiled, and their traced inputs: the
+    initialisation, the chunk of updates (`Experiment.learn_fn`, one program for chunks of
+    every length) and the periodic evaluation (None when `eval.every_updates` is 0)."""
 
     inputs: ShardInputs
     init: Callable[[ShardInputs], TrainState]
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
-    periodic_eval: Optional[PeriodicEval]
+    evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
 
-
-def lower_and_compile(trace_init: Callable[[], jax.stages.Traced],
-                      lowerings_from_state: Callable[[Any], dict[str, Callable[[], jax.stages.Lowered]]]
-                      ) -> dict[str, Any]:
-    """A run's programs, compiled, by name: "init" from `trace_init()`, and the others from
-    `lowerings_from_state(state)`, which lowers them from the initialisation's output
-    shapes alone. Once all are lowered they compile side by side: XLA compiles without
-    holding Python's GIL, and one compile uses about one core."""
-    traced_init = trace_init()
-    lowered = {name: lower() for name, lower in lowerings_from_state(traced_init.out_info).items()}
-    lowered["init"] = traced_init.lower()
-    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        futures = {name: pool.submit(program.compile) for name, program in lowered.items()}
-        return {name: future.result() for name, future in futures.items()}
+    def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
+                       mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
+        """Every member's current policy evaluated if `updates_done` is on the cadence: host
+        statistics, leaves [num_members], or None. A collective over all shards: every
+        process calls it after the same chunks."""
+        if self.evaluate is None or updates_done % every_updates:
+            return None
+        stats = self.evaluate(state.params, state.obs_moments, state.update_index, self.inputs)
+        return sharding.member_first_shards(stats, mesh)
 
 
 def compile_programs(experiment: Experiment) -> Programs:
-    """The initialisation, chunk of updates and, if asked, periodic evaluation, compiled."""
+    """The initialisation, the chunk of updates and, if asked, the periodic evaluation,
+    lowered from the initialisation's output shapes alone (nothing runs before every
+    program is compiled), then compiled side by side: XLA compiles without holding
+    Python's GIL, and one compile uses about one core."""
     inputs = experiment.shard_inputs()
-    every_updates = experiment.config.eval.every_updates
-
-    def lowerings_from_state(state: TrainState) -> dict[str, Callable[[], jax.stages.Lowered]]:
-        count = abstract_update_count(experiment.mesh)
-        lowerings = {"learn": lambda: experiment.learn_fn().lower(state, inputs, count)}
-        if every_updates:
-            lowerings["eval"] = lambda: experiment.eval_fn().lower(
-                state.params, state.obs_moments, state.update_index, inputs
-            )
-        return lowerings
-
-    compiled = lower_and_compile(lambda: experiment.init_fn().trace(inputs), lowerings_from_state)
-    periodic_eval = PeriodicEval(every_updates, compiled["eval"]) if every_updates else None
-    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], periodic_eval=periodic_eval)
+    traced_init = experiment.init_fn().trace(inputs)
+    state = traced_init.out_info
+    lowered = {"init": traced_init.lower(),
+               "learn": experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))}
+    if experiment.config.eval.every_updates:
+        lowered["evaluate"] = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
+    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
+        futures = {name: pool.submit(program.compile) for name, program in lowered.items()}
+        compiled = {name: future.result() for name, future in futures.items()}
+    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"))
 
 
 @dataclass(frozen=True)
@@ -508,7 +486,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     topology, config, mesh = experiment.topology, experiment.config, experiment.mesh
     num_members = len(experiment.members)
     schedule = SaveSchedule(config.checkpoint.every_updates, config.checkpoint.every_seconds)
-    saved_update, periodic_eval = None, programs.periodic_eval
+    saved_update = None
     for size in sizes:
         chunk_start = time.perf_counter()
         state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
@@ -517,7 +495,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         chunk_seconds = time.perf_counter() - chunk_start
         first_update, update = counters.update, counters.update + size
         eval_start = time.perf_counter()
-        evaluations = periodic_eval.after(state, programs.inputs, update, mesh) if periodic_eval else None
+        evaluations = programs.evaluate_after(state, update, config.eval.every_updates, mesh)
         eval_seconds = time.perf_counter() - eval_start
         if outputs.writer is not None:
             outputs.writer.write(chunk_rows(experiment, per_member, first_update,
@@ -548,7 +526,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     return LoopResult(state, counters, saved_update, None)
 
 
-def summarise(experiment: Experiment, trained: Trained) -> dict:
+def summarise(experiment: Experiment, trained: TrainResult) -> dict:
     """Evaluate the final policy deterministically and assemble summary.json."""
     config, topology, counters = experiment.config, experiment.topology, trained.counters
     evaluation = experiment.final_evaluations(trained.state)[0]
@@ -611,17 +589,6 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
 
 
 @dataclass(frozen=True)
-class Trained:
-    """What `train_experiment` returns: the state, the counters, the compile time, and why
-    training stopped before its last update (a signal, or `stop_after_updates`), if it did."""
-
-    state: TrainState
-    counters: RunCounters
-    compile_seconds: float
-    stopped_by: Optional[str]
-
-
-@dataclass(frozen=True)
 class Session:
     """Where and how a population trains: its run directory (claimed by process 0, or an
     earlier run's to resume), its progress output, and when to stop early."""
@@ -632,7 +599,34 @@ class Session:
     stop_after_updates: Optional[int]
 
 
-def train_experiment(experiment: Experiment, session: Session) -> Trained:
+def start_session(experiment: Experiment, name: str, resume: bool, stop_after_updates: Optional[int],
+                  warnings: Sequence[str]) -> Session:
+    """Claim a run directory (default `runs/<name>-<timestamp>`) and write config.yaml into
+    it, or take the resumed run's; open the progress output over every member's steps and
+    say what trains where, with `warnings`."""
+    config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
+    run_dir = config.run.dir if resume else shared_run_dir(config, name)
+    if is_writer and not resume:
+        write_config(run_dir, config)
+    members, per_member = len(experiment.members), ""
+    progress = Progress(topology.num_updates * topology.env_steps_per_update * members,
+                        config.run.progress and is_writer)
+    if experiment.is_sweep:
+        settings = len({member.setting for member in experiment.members})
+        rows = experiment.mesh.shape[sharding.MEMBER_AXIS]
+        per_member = f" per member, {members} member(s) ({settings} setting(s)) on {rows} row(s) of such devices"
+    progress.message(
+        f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
+        f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
+        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps{per_member}; "
+        + (f"writing to {run_dir}" if is_writer else "process 0 writes the results")
+    )
+    for warning in warnings:
+        progress.message(warning)
+    return Session(run_dir, progress, resume, stop_after_updates)
+
+
+def train_experiment(experiment: Experiment, session: Session) -> TrainResult:
     """Compile, initialise or restore, train chunk after chunk with checkpoints, and save
     the last update: what a run and a sweep share. The caller writes the results."""
     config, topology, progress = experiment.config, experiment.topology, session.progress
@@ -652,7 +646,7 @@ def train_experiment(experiment: Experiment, session: Session) -> Trained:
     return trained
 
 
-def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer) -> Trained:
+def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer) -> TrainResult:
     config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
     compile_start = time.perf_counter()
     stop_update = min(topology.num_updates, session.stop_after_updates or topology.num_updates)
@@ -669,8 +663,7 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
-    sweep_members = len(experiment.members) if experiment.is_sweep else None
-    writer = open_metrics_sink(session.run_dir, config.run.tensorboard, sweep_members) if is_writer else None
+    writer = open_metrics_sink(session.run_dir, config.run.tensorboard) if is_writer else None
     try:
         with StopSignals(session.progress.message) as signals:
             loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters,
@@ -688,7 +681,8 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
     if counters.update not in (loop.saved_update, restored_update):
         checkpointer.save(state, counters)
-    return Trained(state=state, counters=counters, compile_seconds=compile_seconds, stopped_by=stopped_by)
+    return TrainResult(summary=None, state=state, run_dir=session.run_dir, counters=counters,
+                       compile_seconds=compile_seconds, stopped_by=stopped_by)
 
 
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
@@ -705,40 +699,28 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     config = as_config(config)
     backend_warnings = sharding.start_backend(config)
     experiment = build(config, devices)
-    topology = experiment.topology
-    config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
-    experiment = replace(experiment, config=config)
-    is_writer = jax.process_index() == 0
-    run_dir = config.run.dir if resume else shared_run_dir(config, config.env.id)
-    if is_writer and not resume:
-        write_config(run_dir, config)
-    progress = Progress(topology.num_updates * topology.env_steps_per_update, config.run.progress and is_writer)
-    where = f"writing to {run_dir}" if is_writer else "process 0 writes the results"
-    progress.message(
-        f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
-        f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
-        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps; {where}"
-    )
-    for warning in backend_warnings:
-        progress.message(warning)
+    config, is_writer = experiment.config, jax.process_index() == 0
+    session = start_session(experiment, config.env.id, resume, stop_after_updates, backend_warnings)
+    run_dir, progress = session.run_dir, session.progress
     try:
-        trained = train_experiment(experiment, Session(run_dir, progress, resume, stop_after_updates))
-        summary = None if trained.stopped_by is not None else summarise(experiment, trained)
+        result = train_experiment(experiment, session)
+        if result.stopped_by is None:
+            result = replace(result, summary=summarise(experiment, result))
         if is_writer:
-            if summary is not None:
-                write_json(os.path.join(run_dir, "summary.json"), summary)
+            if result.summary is not None:
+                write_json(os.path.join(run_dir, "summary.json"), result.summary)
             save_learning_curve(run_dir)
-        if summary is not None:
+        if result.summary is not None:
+            summary = result.summary
             progress.message(
                 f"done{process_label()}: {summary['total_env_steps']:,} steps in "
-                f"{trained.counters.train_seconds:.1f} s ({summary['env_steps_per_second']:,.0f} steps/s, "
-                f"compile {trained.compile_seconds:.1f} s); eval return {summary['eval_return_mean']:.1f} +- "
+                f"{result.counters.train_seconds:.1f} s ({summary['env_steps_per_second']:,.0f} steps/s, "
+                f"compile {result.compile_seconds:.1f} s); eval return {summary['eval_return_mean']:.1f} +- "
                 f"{summary['eval_return_std']:.1f}" + (f"; {run_dir}/summary.json" if is_writer else "")
             )
     finally:
         progress.close()
-    return TrainResult(summary=summary, state=trained.state, run_dir=run_dir, counters=trained.counters,
-                       stopped_by=trained.stopped_by)
+    return result
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

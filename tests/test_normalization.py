@@ -81,7 +81,7 @@ def rollouts_with_statistics(num_devices: int):
         data = tuple(jnp.concatenate(x) for x in (observations, rewards, dones))
         return obs_moments, return_moments, scaled.rewards, data
 
-    indices = sharding.global_shard_indices(mesh, NUM_SHARDS)
+    indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
     return sharding.all_shards(sharding.shard_parallel(per_shard, mesh)(indices))
 
 

@@ -6,6 +6,9 @@
 - `jaxddppo.run` / `jaxddppo.run_sweep` are the modules' functions, and `python -m` works without warnings.
 - run.cpu_devices splits the CPU into devices for a sweep started from the command line, and
   the command takes one device per core when nothing else decides the device count.
+- A sweep stopped and resumed ends bit for bit as the sweep done in one go; SIGTERM stops the
+  command with a checkpoint and exit 75; a non-finite member is named; every member logs its
+  own periodic evaluation (its single run's) and TensorBoard events.
 """
 
 from __future__ import annotations
@@ -13,27 +16,32 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import jax
 import numpy as np
 import pytest
+from conftest import host_leaves, subprocess_env
 from matplotlib import image
 
 import jaxddppo
 from jaxddppo import sharding
+from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.config import ConfigError, from_dict, with_overrides
 from jaxddppo.sweep import (
     SWEEP_CSV_FIELDS,
     expand_members,
     parse_args,
+    resume_sweep,
     split_overrides,
     with_cpu_device_per_core,
 )
-from jaxddppo.train import run
+from jaxddppo.train import Experiment, NonFiniteError, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Same maths, but members are vmapped (batched matmuls) and hyperparameters traced: reduction order.
@@ -49,6 +57,14 @@ SMALL = {
 }
 LEARNING_RATES = [3e-4, 1e-3]
 NUM_SEEDS = 2
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_wall_time(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k != "wall_seconds"} for row in rows]
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +336,102 @@ def test_python_api_functions_are_the_modules_functions():
     assert not callable(train_module) and not callable(sweep_module)  # plain modules
     with pytest.raises(ConfigError, match="env.num_envs"):
         jaxddppo.run({"env": {"num_envs": 0}})
+
+
+# --- checkpoints, resume, preemption, evaluation, TensorBoard ---------------------------------------
+
+
+def test_sweep_stop_and_resume_is_bit_identical_to_one_go(sweep_result, tmp_path):
+    run_dir = tmp_path / "run"
+    config = with_overrides(from_dict(SMALL), {"run.dir": str(run_dir)})
+    first = jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS,
+                               devices=jax.devices()[:2], stop_after_updates=16)
+    assert first.summary is None and first.stopped_by == "stop_after_updates" and first.counters.update == 16
+    assert "16" in os.listdir(run_dir / "checkpoints")
+    resumed = resume_sweep(str(run_dir), devices=jax.devices()[:2])
+    assert resumed.counters.update == 32
+    for got, want in zip(host_leaves(resumed.state), host_leaves(sweep_result.state), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert resumed.members == sweep_result.members
+    assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(sweep_result.run_dir)))
+
+
+def test_non_finite_member_stops_the_sweep_naming_it(tmp_path, monkeypatch):
+    learn_fn = Experiment.learn_fn
+
+    def learn_fn_flagging_member_one(self):
+        learn = learn_fn(self)
+
+        def learn_then_flag_member_one(state, inputs, num_updates):
+            state, metrics, finite = learn(state, inputs, num_updates)
+            return state, metrics, finite.at[1].set(False)
+
+        return jax.jit(learn_then_flag_member_one)
+
+    monkeypatch.setattr(Experiment, "learn_fn", learn_fn_flagging_member_one)
+    config = with_overrides(from_dict(SMALL), {"run.dir": str(tmp_path / "run")})
+    with pytest.raises(NonFiniteError, match=r"^non-finite parameters of member 1 after update 8; stopped without "
+                                             r"saving it; no checkpoint had been saved$"):
+        jaxddppo.run_sweep(config, seeds=2, devices=jax.devices()[:2])
+    rows = metric_rows(tmp_path / "run")
+    assert [(row["member"], row["update"]) for row in rows] == [(m, u) for m in (0, 1) for u in range(1, 9)]
+
+
+def test_periodic_evaluation_and_tensorboard_per_member(tmp_path):
+    """Every member's rows carry its own periodic evaluation, the one its single run logs;
+    TensorBoard events go to one directory per member."""
+    values = {"eval.every_updates": 8, "train.total_env_steps": 1024}
+    config = with_overrides(from_dict(SMALL), {**values, "run.dir": str(tmp_path / "sweep"), "run.tensorboard": True})
+    result = jaxddppo.run_sweep(config, seeds=2, devices=jax.devices()[:2])
+    rows = metric_rows(tmp_path / "sweep")
+    for member in (0, 1):
+        assert [row["update"] for row in rows if row["member"] == member and row["eval_return_mean"] is not None] \
+            == [8, 16]
+    single = run(with_overrides(from_dict(SMALL), {**values, "train.seed": 1, "run.dir": str(tmp_path / "single"),
+                                                   "train.num_shards": result.summary["num_shards"]}),
+                 devices=jax.devices()[:1])
+    single_evals = [row["eval_return_mean"] for row in metric_rows(Path(single.run_dir))
+                    if row["eval_return_mean"] is not None]
+    assert [row["eval_return_mean"] for row in rows if row["member"] == 1 and row["eval_return_mean"] is not None] \
+        == single_evals
+    for member in ("member-0", "member-1"):
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "sweep" / "tensorboard" / member))
+
+
+def test_sweep_command_sigterm_saves_and_resumes(tmp_path):
+    run_dir, log = tmp_path / "run", tmp_path / "sweep.log"
+    args = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--seeds", "2", "env.num_envs=8",
+            "ppo.num_steps=16", "ppo.anneal_lr=false", "train.total_env_steps=1000000000",
+            "train.updates_per_chunk=2", "eval.num_episodes=4", f"run.dir={run_dir}"]
+    with open(log, "w") as handle:
+        process = subprocess.Popen([sys.executable, "-m", "jaxddppo.sweep", *args], env=subprocess_env(1),
+                                   stdout=handle, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while "env steps" not in log.read_text():
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "no progress line in time"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()
+    output = log.read_text()
+    assert "Traceback" not in output and f"python -m jaxddppo.sweep --resume {run_dir}" in output
+    stopped_at = int(output.split("stopped by SIGTERM after update ")[1].split()[0])
+    assert str(stopped_at) in os.listdir(run_dir / "checkpoints")
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.sweep", "--resume", str(run_dir),
+                             f"train.total_env_steps={(stopped_at + 2) * 128}"],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {run_dir / 'checkpoints'}/{stopped_at}" in result.stderr
+    rows = metric_rows(run_dir)
+    for member in (0, 1):
+        assert [row["update"] for row in rows if row["member"] == member] == list(range(1, stopped_at + 3))
+    with open(run_dir / "sweep.csv", newline="") as handle:
+        assert [int(row["member"]) for row in csv.DictReader(handle)] == [0, 1]
+
+
+def test_resume_of_a_single_run_directory_is_one_clear_error(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.yaml").write_text("env:\n  num_envs: 4\n")
+    result = run_module("jaxddppo.sweep", ["--resume", str(tmp_path / "r")], tmp_path)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "sweep.json" in result.stderr and "python -m jaxddppo.train --resume" in result.stderr
