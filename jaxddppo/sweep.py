@@ -6,10 +6,9 @@ every member has the structural config of the base run (env, sizes, network)
 and its own seed and float hyperparameters, which are traced inputs vmapped
 over the members. Members are spread over a (member, device) mesh
 (`sharding.place_population`); each member is a data-parallel DD-PPO run
-over its own shards and trains as the single run of its config would. The
-training itself is a run's (`train.train_experiment`: checkpoints, resume,
-preemption, NaN guard, periodic evaluation); this module expands the grid and
-writes sweep.csv, summary.json and curves.png.
+over its own shards and trains as the single run of its config would, through
+the run's own loop (`train.train_experiment`: checkpoints, resume, preemption,
+NaN guard, periodic evaluation); this module adds the grid and its results.
 
 Structural keys (anything that changes array shapes or the compiled program)
 are refused in a grid: run one sweep per value.
@@ -307,10 +306,6 @@ class SweepSpec:
     member_devices: Optional[int] = None
 
 
-def write_spec(run_dir: str, spec: SweepSpec) -> None:
-    write_json(os.path.join(run_dir, SPEC_FILE), asdict(spec))
-
-
 def read_spec(run_dir: str) -> SweepSpec:
     """The grid, seeds and member devices of the sweep in `run_dir`; ConfigError if it has none."""
     try:
@@ -343,7 +338,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     session = start_session(population, f"sweep-{population.config.env.id}", resume, stop_after_updates, backend_warnings)
     run_dir, progress, is_writer = session.run_dir, session.progress, jax.process_index() == 0
     if is_writer and not resume:
-        write_spec(run_dir, spec)
+        write_json(os.path.join(run_dir, SPEC_FILE), asdict(spec))
     try:
         result = _results(population, train_experiment(population, session))
         if is_writer:
