@@ -137,8 +137,8 @@ class TensorBoardWriter:
             # Imported here: only runs that ask for TensorBoard pay for the import.
             from tensorboardX import SummaryWriter
 
-            log_dir = self._run_dir if member is None else os.path.join(self._run_dir, "tensorboard", f"member-{member}")
-            self._writers[member] = SummaryWriter(logdir=log_dir)
+            member_dir = os.path.join(self._run_dir, "tensorboard", f"member-{member}")
+            self._writers[member] = SummaryWriter(logdir=self._run_dir if member is None else member_dir)
         return self._writers[member]
 
     def write(self, rows: list[dict]) -> None:

@@ -335,7 +335,8 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     backend_warnings = sharding.start_backend(config)
     spec = SweepSpec({key: list(values) for key, values in (grid or {}).items()}, seeds, member_devices)
     population = build_population(config, spec.grid, seeds, member_devices, devices)
-    session = start_session(population, f"sweep-{population.config.env.id}", resume, stop_after_updates, backend_warnings)
+    name = f"sweep-{population.config.env.id}"
+    session = start_session(population, name, resume, stop_after_updates, backend_warnings)
     run_dir, progress, is_writer = session.run_dir, session.progress, jax.process_index() == 0
     if is_writer and not resume:
         write_json(os.path.join(run_dir, SPEC_FILE), asdict(spec))

@@ -395,7 +395,8 @@ def test_periodic_evaluation_and_tensorboard_per_member(tmp_path):
     assert [row["eval_return_mean"] for row in rows if row["member"] == 1 and row["eval_return_mean"] is not None] \
         == single_evals
     for member in ("member-0", "member-1"):
-        assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "sweep" / "tensorboard" / member))
+        events = os.listdir(tmp_path / "sweep" / "tensorboard" / member)
+        assert any(name.startswith("events.out.tfevents") for name in events)
 
 
 def test_sweep_command_sigterm_saves_and_resumes(tmp_path):
