@@ -87,7 +87,8 @@ def main() -> None:
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
-    lowered = experiment.learn_fn().lower(experiment.abstract_state(), experiment.shard_inputs(),
+    shard_inputs = experiment.shard_inputs()
+    lowered = experiment.learn_fn().lower(experiment.abstract_state(), shard_inputs,
                                           train.abstract_update_count(experiment.mesh))
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -101,7 +102,7 @@ def main() -> None:
     seconds = []
     for _ in range(args.chunks):
         start = time.perf_counter()
-        state, metrics, _ = chunk(state, full_chunk)
+        state, metrics, _ = chunk(state, shard_inputs, full_chunk)
         jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
     per_update = statistics.median(seconds[2:] or seconds) / size
@@ -114,7 +115,7 @@ def main() -> None:
 
     if args.trace:
         jax.profiler.start_trace(args.trace)
-        state, metrics, _ = chunk(state, full_chunk)
+        state, metrics, _ = chunk(state, shard_inputs, full_chunk)
         jax.block_until_ready(metrics)
         jax.profiler.stop_trace()
         counts = executed_operations(args.trace)

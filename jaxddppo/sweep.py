@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxddppo import sharding
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, RunCounters
+from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
     RESUMABLE_KEYS,
@@ -44,7 +44,7 @@ from jaxddppo.config import (
 )
 from jaxddppo.outputs import Progress, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
-from jaxddppo.ppo import PPOHyperparams, TrainState
+from jaxddppo.ppo import PPOHyperparams
 from jaxddppo.train import (
     Experiment,
     Member,
