@@ -35,8 +35,15 @@ def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> 
 class EnvConfig:
     """The environment and how many run at once."""
 
-    id: str = _opt("CartPole-v1", "gymnax environment id (see the README for the list)")
+    id: str = _opt(
+        "CartPole-v1", "FAMILY:NAME (e.g. craftax:Craftax-Classic-Symbolic-v1), or a bare gymnax id "
+        "(see docs/environments.md)"
+    )
     num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
+    optimistic_reset_ratio: int = _opt(
+        1, "r > 1: each step computes num_envs/num_shards/r fresh states per shard, shared by the environments "
+        "that finished on it (for costly resets, e.g. Craftax); 1: every finished environment resets on its own"
+    )
     normalize_observations: bool = _opt(
         False, "normalise observations by a running mean and variance over all shards' rollouts"
     )
@@ -484,6 +491,7 @@ def validate(config: Config) -> None:
                 _check(math.isfinite(value), key, value, "must be a finite number")
     positive_ints = [
         ("env.num_envs", config.env.num_envs),
+        ("env.optimistic_reset_ratio", config.env.optimistic_reset_ratio),
         ("ppo.num_steps", config.ppo.num_steps),
         ("ppo.num_epochs", config.ppo.num_epochs),
         ("ppo.num_minibatches", config.ppo.num_minibatches),

@@ -211,7 +211,7 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
              topology: sharding.Topology) -> Experiment:
     """The experiment of `members` (whose configs differ from `config` in seed and
     hyperparameters at most) on `mesh`; compiles nothing."""
-    env = make_env(config.env.id)
+    env = make_env(config.env.id, config.env.optimistic_reset_ratio)
     return Experiment(
         config=config,
         members=tuple(members),

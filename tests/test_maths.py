@@ -62,7 +62,7 @@ def random_gae_inputs(seed: int, num_steps: int = 7, num_envs: int = 5):
     values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
     next_values = rng.normal(size=(num_steps, num_envs)).astype(np.float32)
     terminated = rng.random((num_steps, num_envs)) < 0.2
-    # envs.py guarantees truncated excludes terminated: draw them disjoint.
+    # envs.BatchedEnv guarantees truncated excludes terminated: draw them disjoint.
     truncated = (rng.random((num_steps, num_envs)) < 0.25) & ~terminated
     # The draw must exercise every case, and a step followed by another in the same column.
     assert terminated[:-1].any() and truncated[:-1].any() and (~terminated & ~truncated)[:-1].any()
@@ -387,8 +387,10 @@ def test_network_gradients_match_float64_backpropagation():
         assert jax.tree.structure(got) == jax.tree.structure(expected)
         for (path, want), have in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(got)):
             np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    # Eager and jitted-vmapped float32 add the 15 rows' products in other orders: each gradient
+    # sums terms of about 1, so they may differ by ~15 float32 ulps of 1 (measured: 1.5e-7 on jax 0.7.2).
     eager = jax.grad(objective)(params, obs[0], logits_grad[0], value_grad[0])
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b)[0], rtol=1e-6, atol=1e-7),
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b)[0], rtol=1e-6, atol=1e-6),
                  eager, per_shard)
 
 
@@ -618,11 +620,11 @@ TIME_LIMIT = 5
 def short_cartpole():
     """CartPole whose gymnax time limit is TIME_LIMIT steps instead of 500.
 
-    BatchedEnv has no public knob for it, so this replaces its private gymnax params.
+    The gymnax adapter's core keeps its params in a public attribute; this replaces them.
     Shared by the tests below so that its step is compiled once.
     """
     env = make_env("CartPole-v1")
-    env._params = env._params.replace(max_steps_in_episode=TIME_LIMIT)
+    env.core.params = env.core.params.replace(max_steps_in_episode=TIME_LIMIT)
     return env
 
 
@@ -736,7 +738,7 @@ def test_pendulum_actions_are_clipped_to_the_action_space():
     assert env.spec.action_low == (-2.0,) and env.spec.action_high == (2.0,)
     # gymnax's Pendulum clips to params.max_torque itself; raise that so only BatchedEnv's clip
     # (from the action space) can make out-of-bounds actions equal to the bounds.
-    env._params = env._params.replace(max_torque=1000.0)
+    env.core.params = env.core.params.replace(max_torque=1000.0)
     num_envs = 3
     _, state = env.reset(jax.random.key(0), num_envs)
     step = jax.jit(env.step)
