@@ -27,6 +27,11 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "gymnax": Family(adapter="gymnax", package="gymnax", extra=""),
+    "craftax": Family(adapter="craftax", package="craftax", extra="craftax"),
+    "jumanji": Family(adapter="jumanji", package="jumanji", extra="jumanji"),
+    "navix": Family(adapter="navix", package="navix", extra="navix"),
+    "playground": Family(adapter="playground", package="mujoco_playground", extra="playground"),
+    "xminigrid": Family(adapter="xminigrid", package="xminigrid", extra="xminigrid"),
 }
 
 

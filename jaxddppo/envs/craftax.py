@@ -1,0 +1,88 @@
+"""craftax adapter (PyPI `craftax` 1.6.1): `craftax:Craftax-Classic-Symbolic-v1` and the other three ids.
+
+One environment, functional, without automatic reset:
+  reset(key)               -> (obs, state)   obs: float32 [1345] (Classic-Symbolic), [8268] (Symbolic),
+                                             float32 [H, W, 3] in [0, 1] (Pixels)
+  step(key, state, action) -> (obs, state, reward f32 [], terminated bool [], truncated bool [])
+
+Uses craftax's NoAutoReset env classes (`make_craftax_env_from_name(name, auto_reset=False)`) and
+calls their `reset_env(key, params)` / `step_env(key, state, action, params)` directly; the params
+(a flax struct of Python scalars) are held by the core and closed over. The step key IS used
+(mob spawning/movement, etc.).
+
+craftax's `done` is `timestep >= max_timesteps | dead | (lava, Classic) | (boss beaten, full)`.
+Here terminated = the env's own `is_terminal` evaluated with an unreachable time limit (so the
+time-limit clause is off), truncated = `timestep >= max_timesteps` and not terminated.
+Time limits (EnvParams.max_timesteps): 10000 (Classic), 100000 (full Craftax).
+
+The env's `info` dict (achievements) is dropped. Weak-typed leaves of the reset state are made
+strong so that reset and step states have identical types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxddppo.config import ConfigError
+from jaxddppo.envs.base import EnvSpec, observation_spec
+
+
+_NAMES = (
+    "Craftax-Classic-Symbolic-v1",
+    "Craftax-Classic-Pixels-v1",
+    "Craftax-Symbolic-v1",
+    "Craftax-Pixels-v1",
+)
+
+_INT32_MAX = 2**31 - 1
+
+
+def names() -> list[str]:
+    return list(_NAMES)
+
+
+def _strong(tree: Any) -> Any:
+    """Drop weak types (jnp.asarray with an explicit dtype gives a strongly typed array)."""
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), tree)
+
+
+class CraftaxCore:
+    """One craftax environment with its default EnvParams."""
+
+    def __init__(self, name: str, env_id: str):
+        if name not in _NAMES:
+            raise ConfigError(f"env.id={env_id!r} is not a craftax environment; valid names: {', '.join(_NAMES)}")
+        from craftax.craftax_env import make_craftax_env_from_name
+
+        # Pixels envs load (and on first use build + cache into site-packages) their textures here.
+        self.env = make_craftax_env_from_name(name, auto_reset=False)
+        self.params = params = self.env.default_params
+        # Same params, but a time limit no episode reaches: is_terminal then means a true end.
+        self._no_limit = params.replace(max_timesteps=_INT32_MAX)
+        self.spec = EnvSpec(
+            env_id=env_id,
+            observation=observation_spec(self.reset),
+            discrete=True,
+            num_actions=int(self.env.num_actions),
+            max_episode_steps=int(params.max_timesteps),
+        )
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
+        obs, state = self.env.reset_env(key, self.params)
+        return obs, _strong(state)
+
+    def step(self, key: jax.Array, state: Any, action: jax.Array
+             ) -> tuple[jax.Array, Any, jax.Array, jax.Array, jax.Array]:
+        action = jnp.asarray(action, jnp.int32)
+        obs, state, reward, _done, _info = self.env.step_env(key, state, action, self.params)
+        terminated = jnp.asarray(self.env.is_terminal(state, self._no_limit), jnp.bool_)
+        time_up = state.timestep >= self.params.max_timesteps
+        truncated = jnp.logical_and(time_up, jnp.logical_not(terminated))
+        return obs, state, jnp.asarray(reward, jnp.float32), terminated, truncated
+
+
+def make_core(name: str, env_id: str) -> CraftaxCore:
+    return CraftaxCore(name, env_id)

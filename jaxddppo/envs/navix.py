@@ -1,0 +1,71 @@
+"""navix adapter (extra `navix`, navix 0.7.4): `navix:Navix-Empty-5x5-v0` and the other registered ids.
+
+The environment is `navix.make(name)` with its default time limit (`max_steps`, 100 for every
+id) and its default observation, the fully observed symbolic grid (entity tag, colour, state)
+uint8 [H, W, 3], flattened to float32 [H * W * 3] for the MLP.
+
+navix's `Environment.step` auto-resets (a `lax.cond` on the previous step type); the core calls
+the non-resetting `Environment._step` instead. The step takes no key: randomness (dynamic
+obstacles) comes from `state.key`, which the core sets to the step key. Step types: 1 truncation
+(t >= max_steps), 2 termination (which wins when both happen). The state's rendering cache
+(background tiles, read only by the RGB observations) is replaced by an empty array, so that
+the rollout does not carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxddppo.config import ConfigError
+from jaxddppo.envs.base import EnvSpec, observation_spec
+
+_TRUNCATION, _TERMINATION = 1, 2
+
+
+def names() -> list[str]:
+    import navix
+
+    return sorted(navix.registry().keys())
+
+
+class NavixCore:
+    """One navix environment; the state is (step count int32 [], navix State)."""
+
+    def __init__(self, name: str, env_id: str):
+        import navix
+
+        if name not in navix.registry():
+            raise ConfigError(f"env.id={env_id!r} is not a navix environment; valid names: {', '.join(names())}")
+        self.env = navix.make(name)
+        self.spec = EnvSpec(env_id=env_id, observation=observation_spec(self.reset), discrete=True,
+                            num_actions=int(self.env.action_space.n), max_episode_steps=int(self.env.max_steps))
+
+    @staticmethod
+    def _slim(state: Any) -> Any:
+        return state.replace(cache=state.cache.replace(patches=jnp.zeros((0,), jnp.uint8)))
+
+    def reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
+        timestep = self.env.reset(key)
+        step_count = jnp.asarray(timestep.t, jnp.int32)
+        return timestep.observation.reshape(-1), (step_count, self._slim(timestep.state))
+
+    def step(self, key: jax.Array, state: Any, action: jax.Array
+             ) -> tuple[jax.Array, Any, jax.Array, jax.Array, jax.Array]:
+        from navix.environments.environment import Timestep
+
+        step_count, navix_state = state
+        action = jnp.asarray(action, jnp.int32)
+        previous = Timestep(t=step_count, observation=jnp.zeros((), jnp.uint8), action=action,
+                            reward=jnp.zeros((), jnp.float32), step_type=jnp.zeros((), jnp.int32),
+                            state=navix_state.replace(key=key))
+        timestep = self.env._step(previous, action)
+        new_state = (jnp.asarray(timestep.t, jnp.int32), self._slim(timestep.state))
+        return (timestep.observation.reshape(-1), new_state, jnp.asarray(timestep.reward, jnp.float32),
+                timestep.step_type == _TERMINATION, timestep.step_type == _TRUNCATION)
+
+
+def make_core(name: str, env_id: str) -> NavixCore:
+    return NavixCore(name, env_id)

@@ -1,0 +1,161 @@
+"""MuJoCo Playground adapter (PyPI `playground` 0.2.0, import `mujoco_playground`, with `mujoco-mjx`):
+`playground:CartpoleBalance` and the other registered tasks.
+
+One environment, functional, without automatic reset (the bare `MjxEnv`, no brax wrappers):
+  reset(key)               -> (obs, state)
+  step(key, state, action) -> (obs, state, reward f32 [], terminated bool [], truncated bool [])
+
+Time limit: the raw playground env has none (it lives in brax's EpisodeWrapper, fed with the
+config's `episode_length`). The adapter counts steps itself: state = (env_state, steps).
+Each adapter step runs the env's `step` `action_repeat` times (config `action_repeat`, 1 for all
+but two manipulation tasks), summing rewards, as brax's EpisodeWrapper does; steps counts raw
+env steps. truncated = steps >= episode_length and not terminated; terminated = env `done` (DM
+Control suite: NaN in qpos/qvel only; locomotion: a fall etc.).
+`spec.max_episode_steps` = ceil(episode_length / action_repeat) adapter steps.
+
+Observation: as the env gives it: a float32 array (DM Control suite) or a dict of arrays
+(locomotion/manipulation, e.g. {'state', 'privileged_state'}).
+Actions: continuous, `num_actions` = env.action_size, range [-1, 1] for every task (DM Control
+suite: actuator ctrlrange is [-1, 1]; locomotion: action scales an offset from the default pose,
+brax PPO's tanh range).
+
+Physics implementation: every default config says impl='warp' (MuJoCo Warp through an XLA FFI
+call). On a CPU backend the adapter overrides it with impl='jax' (pure-JAX MJX); on GPU it keeps
+the config's default.
+
+Step key: playground's `env.step(state, action)` takes no key (envs that need randomness keep a
+key in `state.info['rng']`), so the key passed here is unused. A typed key (jax.random.key) is
+turned into raw uint32 key data for the env, which expects `jax.random.PRNGKey`-style keys.
+
+Offline: DM Control suite tasks load from XMLs inside the wheel. Locomotion and manipulation
+tasks need mujoco_menagerie, which playground `git clone`s from GitHub into
+site-packages/mujoco_playground/external_deps at load time; the adapter offers them only when that
+directory already exists (it never triggers the clone).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxddppo.config import ConfigError
+from jaxddppo.envs.base import EnvSpec, observation_spec
+
+
+# Vision variants (config vision=True) need MJX's Warp renderer: not offered.
+
+
+def _menagerie_present() -> bool:
+    from mujoco_playground._src import mjx_env
+
+    path = mjx_env.MENAGERIE_PATH
+    return path.exists() and any(path.iterdir())
+
+
+def _suites() -> dict[str, tuple[str, ...]]:
+    from mujoco_playground import registry
+
+    return {
+        "dm_control_suite": tuple(registry.dm_control_suite.ALL_ENVS),
+        "locomotion": tuple(registry.locomotion.ALL_ENVS),
+        "manipulation": tuple(registry.manipulation.ALL_ENVS),
+    }
+
+
+def names() -> list[str]:
+    """Tasks that can be built here: the DM Control suite always; locomotion and manipulation
+    only when mujoco_menagerie is already on disk (no download at run time)."""
+    suites = _suites()
+    out = list(suites["dm_control_suite"])
+    if _menagerie_present():
+        out += list(suites["locomotion"]) + list(suites["manipulation"])
+    return out
+
+
+def _raw_key(key: jax.Array) -> jax.Array:
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def _strong(tree: Any) -> Any:
+    """Drop weak types (e.g. mjx Data.time is weak float32 after reset, strong after a step), so that
+    reset's and step's states have the same leaf types."""
+    from jax import lax
+
+    return jax.tree_util.tree_map(
+        lambda x: lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
+
+
+def _fresh_containers(tree: Any) -> Any:
+    """Same leaves, new dicts: playground envs update state.info / state.metrics in place
+    (e.g. `state.info['feet_air_time'] += dt`), which would alter the caller's state outside jit."""
+    return jax.tree_util.tree_map(lambda x: x, tree)
+
+
+class PlaygroundCore:
+    """One playground task built by `registry.load(name, config_overrides=...)`."""
+
+    def __init__(self, name: str, env_id: str):
+        from mujoco_playground import registry
+
+        suites = _suites()
+        every = [n for suite in suites.values() for n in suite]
+        if name not in every:
+            raise ConfigError(f"env.id={env_id!r} is not a MuJoCo Playground task; valid names: "
+                             f"{', '.join(names())}")
+        if name not in suites["dm_control_suite"] and not _menagerie_present():
+            raise ConfigError(
+                f"env.id={env_id!r} is not supported here: it needs mujoco_menagerie, which playground "
+                f"downloads with `git clone https://github.com/deepmind/mujoco_menagerie` at load time "
+                f"(not possible offline); valid names: {', '.join(names())}")
+
+        config = registry.get_default_config(name)
+        on_cpu = "impl" in config and jax.default_backend() == "cpu"
+        self.env = registry.load(name, config_overrides={"impl": "jax"} if on_cpu else None)
+        config = self.env._config  # the env's own (locked, overridden) config
+        self.episode_length = int(config.episode_length)
+        self.action_repeat = int(config.get("action_repeat", 1) or 1)
+        self.num_actions = int(self.env.action_size)
+
+        self.spec = EnvSpec(
+            env_id=env_id,
+            observation=observation_spec(self.reset),
+            discrete=False,
+            num_actions=self.num_actions,
+            action_low=(-1.0,) * self.num_actions,
+            action_high=(1.0,) * self.num_actions,
+            max_episode_steps=math.ceil(self.episode_length / self.action_repeat),
+        )
+
+    def reset(self, key: jax.Array) -> tuple[Any, Any]:
+        env_state = _strong(self.env.reset(_raw_key(key)))
+        return env_state.obs, (env_state, jnp.zeros((), jnp.int32))
+
+    def step(self, key: jax.Array, state: Any, action: jax.Array
+             ) -> tuple[Any, Any, jax.Array, jax.Array, jax.Array]:
+        del key  # playground's step takes no key
+        env_state, steps = state
+        env_state = _fresh_containers(env_state)
+        action = jnp.asarray(action, jnp.float32)
+        if self.action_repeat == 1:
+            env_state = self.env.step(env_state, action)
+            reward = env_state.reward
+        else:
+            def body(s, _):
+                s = self.env.step(_fresh_containers(s), action)
+                return s, s.reward
+            env_state, rewards = jax.lax.scan(body, env_state, None, length=self.action_repeat)
+            reward = jnp.sum(rewards)
+        steps = steps + self.action_repeat
+        terminated = env_state.done > 0
+        truncated = jnp.logical_and(steps >= self.episode_length, jnp.logical_not(terminated))
+        env_state = _strong(env_state)
+        return env_state.obs, (env_state, steps), jnp.asarray(reward, jnp.float32), terminated, truncated
+
+
+def make_core(name: str, env_id: str) -> PlaygroundCore:
+    return PlaygroundCore(name, env_id)

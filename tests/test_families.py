@@ -1,0 +1,86 @@
+"""Environment families behind `env.id=FAMILY:NAME`: the ids, the one-line errors, and a few
+PPO updates per installed family, the same on 1 and 2 devices (logical shards)."""
+
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+
+from jaxddppo.config import ConfigError, from_dict
+from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
+from jaxddppo.train import build, update_count
+
+from conftest import host_leaves
+
+# One small id per family whose adapter takes a single-array observation (no mask).
+ARRAY_OBS_IDS = {
+    "navix": "navix:Navix-Empty-5x5-v0",
+    "xminigrid": "xminigrid:MiniGrid-Empty-6x6",
+}
+
+
+def installed(family: str) -> bool:
+    return importlib.util.find_spec(FAMILIES[family].package) is not None
+
+
+def test_a_bare_id_is_gymnax_and_a_prefixed_id_names_its_family():
+    assert split_env_id("CartPole-v1") == ("gymnax", "CartPole-v1")
+    assert split_env_id("navix:Navix-Empty-5x5-v0") == ("navix", "Navix-Empty-5x5-v0")
+    assert make_env("gymnax:CartPole-v1").spec.obs_shape == make_env("CartPole-v1").spec.obs_shape == (4,)
+
+
+def test_an_unknown_family_lists_the_families():
+    with pytest.raises(ConfigError) as excinfo:
+        make_env("gymnaz:CartPole-v1")
+    message = str(excinfo.value)
+    assert "'gymnaz'" in message and all(family in message for family in FAMILIES)
+
+
+@pytest.mark.parametrize("family", [name for name in FAMILIES if name != "gymnax"])
+def test_a_family_without_its_extra_names_the_extra_to_install(family, monkeypatch):
+    package = FAMILIES[family].package
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == package else real_find_spec(name, *args))
+    with pytest.raises(ConfigError, match=rf"needs the {family} extra: pip install 'jaxddppo\[{family}\]'"):
+        make_env(f"{family}:Anything")
+
+
+@pytest.mark.parametrize("family", [name for name in FAMILIES if name != "gymnax"])
+def test_an_unknown_name_lists_the_family_s_valid_names(family):
+    if not installed(family):
+        pytest.skip(f"the {family} extra is not installed")
+    valid = available_env_ids(family)
+    assert valid and all(env_id.startswith(f"{family}:") for env_id in valid)
+    with pytest.raises(ConfigError) as excinfo:
+        make_env(f"{family}:No-Such-Env-v0")
+    message = str(excinfo.value)
+    assert "No-Such-Env-v0" in message and valid[0].split(":", 1)[1] in message
+
+
+def few_updates(env_id: str, devices) -> tuple[list[np.ndarray], dict]:
+    """Parameters and metrics after 2 PPO updates (2 logical shards of 2 envs) on `devices`."""
+    config = from_dict({
+        "env": {"id": env_id, "num_envs": 4},
+        "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
+        "train": {"total_env_steps": 64, "updates_per_chunk": 2, "num_shards": 2},
+        "network": {"hidden_sizes": [16]},
+    })
+    experiment = build(config, devices)
+    state, inputs = experiment.init_state(), experiment.shard_inputs()
+    state, metrics, finite = experiment.learn_fn()(state, inputs, update_count(experiment.mesh, 2))
+    assert bool(np.all(finite)), env_id
+    return host_leaves(state.params), jax.tree.map(np.asarray, metrics)
+
+
+@pytest.mark.parametrize("family", sorted(ARRAY_OBS_IDS))
+def test_ppo_updates_are_finite_and_the_same_on_one_and_two_devices(family):
+    if not installed(family):
+        pytest.skip(f"the {family} extra is not installed")
+    env_id = ARRAY_OBS_IDS[family]
+    one_device, metrics = few_updates(env_id, jax.devices()[:1])
+    two_devices, _ = few_updates(env_id, jax.devices()[:2])
+    assert np.isfinite(metrics.policy_loss).all() and np.isfinite(metrics.value_loss).all()
+    for a, b in zip(one_device, two_devices):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
