@@ -24,7 +24,7 @@ import pytest
 
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, NetworkConfig
-from jaxddppo.envs import make_env
+from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
 from jaxddppo.ppo import (
     Batch, LossInfo, PPOHyperparams, UpdateSettings, minibatch_indices, optimizer_state, ppo_loss, run_epochs,
@@ -695,6 +695,34 @@ def test_cartpole_truncation_bootstrap_obs_and_counters(short_cartpole):
         np.testing.assert_array_equal(np.asarray(new_state.episode_length), counter)
         np.testing.assert_array_equal(np.asarray(new_state.episode_return), counter.astype(np.float32))
     assert truncations == 3 * num_envs
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 8])
+def test_optimistic_resets_share_a_few_fresh_states_among_the_finished_envs(short_cartpole, ratio):
+    """Every env truncates on step TIME_LIMIT together. With ratio r, num_envs / r fresh states
+    are drawn (from the first envs' reset keys) and the k-th finished env takes state k mod that;
+    ratio 1 is each env's own reset. The running envs are untouched either way."""
+    num_envs = 8
+    env = BatchedEnv(short_cartpole.core, optimistic_reset_ratio=ratio)
+    _, state = env.reset(jax.random.key(4), num_envs)
+    history = run_steps(env, state, 0, TIME_LIMIT)
+    result, new_state = history[-1]
+    own, _ = run_steps(short_cartpole, state, 0, TIME_LIMIT)[-1]
+    assert np.asarray(result.truncated).all()
+    np.testing.assert_array_equal(result.final_obs, own.final_obs)  # the steps before the reset are the same
+    num_fresh = num_envs // ratio
+    restarted = np.asarray(result.obs)
+    for k in range(num_envs):
+        np.testing.assert_array_equal(restarted[k], np.asarray(own.obs)[k % num_fresh])
+    assert len(np.unique(restarted, axis=0)) == num_fresh
+    np.testing.assert_array_equal(np.asarray(new_state.env_state.x), restarted[:, 0])
+    for result_before, _ in history[:-1]:
+        np.testing.assert_array_equal(result_before.obs, result_before.final_obs)
+
+
+def test_optimistic_reset_ratio_below_one_is_refused():
+    with pytest.raises(ConfigError, match="env.optimistic_reset_ratio=0 must be at least 1"):
+        make_env("CartPole-v1", optimistic_reset_ratio=0)
 
 
 def test_cartpole_termination_at_the_time_limit_is_not_truncation(short_cartpole):
