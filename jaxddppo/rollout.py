@@ -8,25 +8,25 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.envs import BatchedEnv, EpisodeState
+from jaxddppo.envs import BatchedEnv, EpisodeState, batch_size
 
-# (params, carry, obs [B, ...], episode_start [B] or None) -> (carry, distribution, value [B]);
+# (params, carry, obs (leaves [B, ...]), episode_start [B] or None) -> (carry, distribution, value [B]);
 # a feed-forward policy (carry None) takes obs with any leading shape, [T, B, ...] too.
-PolicyFn = Callable[[Any, Any, jax.Array, Optional[jax.Array]], tuple[Any, Any, jax.Array]]
+PolicyFn = Callable[[Any, Any, Any, Optional[jax.Array]], tuple[Any, Any, jax.Array]]
 
 
 @struct.dataclass
 class Transition:
     """One rollout, time-major: every leaf is [T, B, ...]."""
 
-    obs: jax.Array  # observation acted on, as the environment gave it (not normalised)
+    obs: Any  # observation acted on, as the environment gave it (not normalised)
     action: jax.Array
     log_prob: jax.Array  # log pi_old(action | obs)
     value: jax.Array  # V_old(obs)
     reward: jax.Array
     terminated: jax.Array  # true end of episode: no bootstrap
     truncated: jax.Array  # time limit: bootstrap from final_obs
-    final_obs: jax.Array  # observation reached by the step, before any auto-reset
+    final_obs: Any  # observation reached by the step, before any auto-reset
     next_value: jax.Array  # V_old(final_obs); recurrent policies: with the carry after the step
     episode_start: Optional[jax.Array] = None  # recurrent policies only: the carry was reset before obs
 
@@ -36,7 +36,7 @@ class RolloutState:
     """What a shard carries from one rollout to the next."""
 
     env: EpisodeState
-    obs: jax.Array  # [B, *obs_shape]
+    obs: Any  # leaves [B, ...]
     carry: Any = None  # recurrent policies: the carry before acting on obs
     episode_start: Optional[jax.Array] = None  # recurrent policies: [B] obs is an episode's first
     discounted_return: Optional[jax.Array] = None  # reward scaling: [B] discounted return so far
@@ -99,7 +99,7 @@ def collect_rollout(
         return next_state, (transition, ended)
 
     state, (transitions, (returns, lengths, ended)) = jax.lax.scan(
-        step, state, step_keys(key, num_steps, state.obs.shape[0])
+        step, state, step_keys(key, num_steps, batch_size(state.obs))
     )
     if critic_after_steps:
         transitions = transitions.replace(value=policy(params, None, transitions.obs, None)[2])

@@ -12,10 +12,10 @@ import importlib.util
 from dataclasses import dataclass
 
 from jaxddppo.config import ConfigError
-from jaxddppo.envs.base import BatchedEnv, EnvCore, EnvSpec, EpisodeState, StepResult
+from jaxddppo.envs.base import BatchedEnv, EnvCore, EnvSpec, EpisodeState, StepResult, batch_size
 
 __all__ = ["BatchedEnv", "EnvCore", "EnvSpec", "EpisodeState", "StepResult", "FAMILIES", "available_env_ids",
-           "make_core", "make_env"]
+           "batch_size", "make_core", "make_env"]
 
 
 @dataclass(frozen=True)

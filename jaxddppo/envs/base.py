@@ -84,6 +84,11 @@ def float_observation(obs: Any) -> Any:
     return jax.tree.map(lambda leaf: leaf if leaf.dtype == jnp.bool_ else jnp.asarray(leaf, jnp.float32), obs)
 
 
+def batch_size(obs: Any) -> int:
+    """The number of observations in a batch (a pytree): the leading axis of its leaves."""
+    return jax.tree.leaves(obs)[0].shape[0]
+
+
 def observation_spec(core_reset: Any) -> Any:
     """The `EnvSpec.observation` of a core's `reset`, from its abstract evaluation."""
     obs, _ = jax.eval_shape(lambda: core_reset(jax.random.key(0)))
