@@ -6,9 +6,15 @@ are combined with Chan et al.'s parallel formula through the shard collectives,
 then merged into the running moments with the same formula. No E[x^2] - E[x]^2
 appears, so large means do not cancel the variance. Every shard ends with the
 same numbers, whatever the device count.
+
+Samples may be pytrees (dict observations): the moments then hold one mean and
+M2 per float leaf, and None for a bool leaf (an action mask), which is never
+normalised.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,59 +28,82 @@ _VARIANCE_EPS = 1e-8
 
 @struct.dataclass
 class RunningMoments:
-    """Moments of every sample seen so far, over all shards; mean and m2 have the sample shape."""
+    """Moments of every sample seen so far, over all shards. `mean` and `m2` have the
+    samples' structure: an array of the leaf's shape per float leaf, None per bool leaf."""
 
     count: jax.Array  # [] float32
-    mean: jax.Array
-    m2: jax.Array  # sum of squared deviations from the mean
+    mean: Any
+    m2: Any  # sum of squared deviations from the mean
 
     @property
-    def variance(self) -> jax.Array:
+    def variance(self) -> Any:
         """Population variance; 1 before any sample, so an untouched normaliser passes values through."""
-        return jnp.where(self.count > 0, self.m2 / jnp.maximum(self.count, 1.0), 1.0)
+        return jax.tree.map(lambda m2: jnp.where(self.count > 0, m2 / jnp.maximum(self.count, 1.0), 1.0), self.m2)
+
+
+def _is_bool(leaf: Any) -> bool:
+    return leaf.dtype == jnp.bool_
 
 
 def init_moments(shape: tuple[int, ...]) -> RunningMoments:
-    zeros = jnp.zeros(shape, jnp.float32)
+    """Moments of samples that are one float array of `shape`."""
+    return init_observation_moments(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def init_observation_moments(observation: Any) -> RunningMoments:
+    """Moments of samples shaped as `observation`, a pytree of jax.ShapeDtypeStruct
+    (`EnvSpec.observation`): zeros per float leaf, None per bool leaf."""
+    zeros = jax.tree.map(lambda leaf: None if _is_bool(leaf) else jnp.zeros(leaf.shape, jnp.float32), observation)
     return RunningMoments(count=jnp.zeros((), jnp.float32), mean=zeros, m2=zeros)
 
 
 def merge_moments(a: RunningMoments, b: RunningMoments) -> RunningMoments:
-    """The moments of the union of two sample sets (Chan, Golub and LeVeque)."""
+    """The moments of the union of two sample sets (Chan, Golub and LeVeque), leaf by leaf."""
     count = a.count + b.count
     weight_b = b.count / jnp.maximum(count, 1.0)
-    delta = b.mean - a.mean
+    delta = jax.tree.map(jnp.subtract, b.mean, a.mean)
     return RunningMoments(
         count=count,
-        mean=a.mean + delta * weight_b,
-        m2=a.m2 + b.m2 + jnp.square(delta) * a.count * weight_b,
+        mean=jax.tree.map(lambda mean, d: mean + d * weight_b, a.mean, delta),
+        m2=jax.tree.map(lambda m2_a, m2_b, d: m2_a + m2_b + jnp.square(d) * a.count * weight_b, a.m2, b.m2, delta),
     )
 
 
-def global_batch_moments(samples: jax.Array) -> RunningMoments:
-    """Moments of every shard's `samples` [N, ...] together (N is the same on every shard).
+def global_batch_moments(samples: Any) -> RunningMoments:
+    """Moments of every shard's `samples` together: a pytree of float leaves [N, ...]
+    (N is the same on every leaf and every shard; None leaves are left out).
 
     With equal counts the parallel merge of the S shard moments reduces to
     mean = mean_s(mean_i) and M2 = sum_i (M2_i + N (mean_i - mean)^2).
     Call inside a function wrapped by `shard_parallel`.
     """
-    num_local = samples.shape[0]
-    local_mean = jnp.mean(samples, axis=0)
+    num_local = jax.tree.leaves(samples)[0].shape[0]
+    local_mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), samples)
     mean = pmean_over_shards(local_mean)
-    local_m2 = jnp.sum(jnp.square(samples - local_mean), axis=0) + num_local * jnp.square(local_mean - mean)
-    m2, count = psum_over_shards((local_m2, jnp.float32(num_local)))
+
+    def local_m2(x: jax.Array, shard_mean: jax.Array, global_mean: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.square(x - shard_mean), axis=0) + num_local * jnp.square(shard_mean - global_mean)
+
+    m2, count = psum_over_shards((jax.tree.map(local_m2, samples, local_mean, mean), jnp.float32(num_local)))
     return RunningMoments(count=count, mean=mean, m2=m2)
 
 
-def update_moments(moments: RunningMoments, samples: jax.Array) -> RunningMoments:
-    """`moments` with every shard's `samples` [N, *sample_shape] merged in."""
-    return merge_moments(moments, global_batch_moments(samples))
+def update_moments(moments: RunningMoments, samples: Any) -> RunningMoments:
+    """`moments` with every shard's `samples` (leaves [N, *leaf shape]) merged in; bool leaves are skipped."""
+    float_samples = jax.tree.map(lambda x: None if _is_bool(x) else x, samples)
+    return merge_moments(moments, global_batch_moments(float_samples))
 
 
-def normalize(moments: RunningMoments, x: jax.Array) -> jax.Array:
-    """`x` [..., *sample_shape] standardised by the running moments and clipped to +-OBS_CLIP."""
-    standardised = (x - moments.mean) / jnp.sqrt(moments.variance + _VARIANCE_EPS)
-    return jnp.clip(standardised, -OBS_CLIP, OBS_CLIP)
+def normalize(moments: RunningMoments, x: Any) -> Any:
+    """`x` (leaves [..., *leaf shape]) standardised leaf by leaf by the running moments and
+    clipped to +-OBS_CLIP; bool leaves as they are."""
+
+    def standardise(leaf: jax.Array, mean: Any, variance: Any) -> jax.Array:
+        if mean is None:
+            return leaf
+        return jnp.clip((leaf - mean) / jnp.sqrt(variance + _VARIANCE_EPS), -OBS_CLIP, OBS_CLIP)
+
+    return jax.tree.map(standardise, x, moments.mean, moments.variance)
 
 
 def scale(moments: RunningMoments, x: jax.Array) -> jax.Array:

@@ -21,7 +21,14 @@ from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
-from jaxddppo.normalization import RunningMoments, discounted_returns, init_moments, scale, update_moments
+from jaxddppo.normalization import (
+    RunningMoments,
+    discounted_returns,
+    init_moments,
+    init_observation_moments,
+    scale,
+    update_moments,
+)
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
 from jaxddppo.sharding import Topology, pmean_over_shards
 
@@ -107,7 +114,7 @@ class TrainState:
 class SequenceObs:
     """A recurrent policy's input: whole environment sequences and the carry they start from."""
 
-    obs: jax.Array  # [T, B, ...] as the network sees them (normalised if the run normalises)
+    obs: Any  # leaves [T, B, ...], as the network sees them (normalised if the run normalises)
     episode_start: jax.Array  # [T, B]
     carry: Any  # leaves [B, ...]: the carry before each sequence's first step
 
@@ -249,7 +256,7 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
     sequences = batch.obs
     fields = jax.tree.map(lambda x: x[:, env_index], batch.replace(obs=None))
     return fields.replace(obs=SequenceObs(
-        obs=sequences.obs[:, env_index],
+        obs=jax.tree.map(lambda x: x[:, env_index], sequences.obs),
         episode_start=sequences.episode_start[:, env_index],
         carry=jax.tree.map(lambda c: c[env_index], sequences.carry),
     ))
@@ -328,10 +335,15 @@ def run_epochs(
     return params, opt_state, jax.tree.map(jnp.mean, infos)
 
 
-def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: jax.Array) -> Batch:
-    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` [T, B, ...] are
-    the observations as the network saw them."""
-    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+def merge_time_and_batch(tree: Any) -> Any:
+    """Leaves [T, B, ...] as [T * B, ...]."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: Any) -> Batch:
+    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` (leaves
+    [T, B, ...]) are the observations as the network saw them."""
+    flat = merge_time_and_batch
     return Batch(
         obs=flat(obs),
         action=flat(transitions.action),
@@ -342,7 +354,7 @@ def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: jax.Arr
     )
 
 
-def sequence_batch(transitions: Transition, advantages: jax.Array, obs: jax.Array, initial_carry: Any) -> Batch:
+def sequence_batch(transitions: Transition, advantages: jax.Array, obs: Any, initial_carry: Any) -> Batch:
     """The rollout as [T, B] sequences for a recurrent policy, starting from `initial_carry`."""
     return Batch(
         obs=SequenceObs(obs=obs, episode_start=transitions.episode_start, carry=initial_carry),
@@ -406,7 +418,7 @@ def make_update(
     def update(state: TrainState, hyperparams: PPOHyperparams) -> tuple[TrainState, UpdateMetrics]:
         key_rollout, key_epochs = jax.random.split(jax.random.fold_in(state.key, state.update_index))
 
-        def policy(params: Any, carry: Any, obs: jax.Array, episode_start: Any) -> tuple[Any, Any, jax.Array]:
+        def policy(params: Any, carry: Any, obs: Any, episode_start: Any) -> tuple[Any, Any, jax.Array]:
             return policy_step(network, params, state.obs_moments, carry, obs, episode_start)
 
         rollout, transitions, episode_stats = collect_rollout(
@@ -431,7 +443,7 @@ def make_update(
             batch = flatten_rollout(transitions, advantages, obs)
         obs_moments = state.obs_moments
         if settings.normalize_observations:
-            obs_moments = update_moments(obs_moments, transitions.obs.reshape((-1,) + transitions.obs.shape[2:]))
+            obs_moments = update_moments(obs_moments, merge_time_and_batch(transitions.obs))
         params, opt_state, info = run_epochs(
             state.params, state.opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
@@ -464,7 +476,7 @@ def make_update(
     return update
 
 
-def initial_params(seed: int | jax.Array, network: ActorCritic, obs: jax.Array) -> Any:
+def initial_params(seed: int | jax.Array, network: ActorCritic, obs: Any) -> Any:
     """The parameters every shard of a run starts from: one key, shared by all shards."""
     return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
 
@@ -504,7 +516,7 @@ def init_train_state(
         rollout=rollout,
         key=jax.random.fold_in(shard_key, 1),
         update_index=jnp.zeros((), jnp.int32),
-        obs_moments=init_moments(env.spec.obs_shape) if settings.normalize_observations else None,
+        obs_moments=init_observation_moments(env.spec.observation) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,
     ))
 
