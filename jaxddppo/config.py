@@ -57,7 +57,8 @@ class NetworkConfig:
     """The actor-critic network."""
 
     torso: str = _opt(
-        "auto", "mlp, cnn, or auto (cnn for image observations, else mlp)",
+        "auto", "mlp, cnn, or auto (cnn for image observations [H, W, C], or a dict observation's image leaves; "
+        "else mlp)",
         choices=("auto", "mlp", "cnn"),
     )
     hidden_sizes: tuple[int, ...] = _opt((64, 64), "widths of the MLP layers (after the CNN, if any)")

@@ -38,7 +38,7 @@ class EvalStats:
 @struct.dataclass
 class _EvalCarry:
     env_state: Any
-    obs: jax.Array
+    obs: Any
     returns: jax.Array
     lengths: jax.Array
     finished: jax.Array

@@ -10,11 +10,16 @@ the trainer sees only those and the distribution methods (`sample`,
 `log_prob`, `entropy`, `mode`). `policy_step` is the one way to act, shared by
 the rollout, evaluation and loaded policies: it normalises observations with the
 run's running statistics, if it keeps them, then calls `step`.
+
+Observations are pytrees (`EnvSpec.observation`): every leaf but the action mask
+is a torso input (`ObservationLayout`), and the mask, where the environment gives
+one, restricts the categorical head to the legal actions.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,10 +30,13 @@ from flax import struct
 from jax import custom_batching
 
 from jaxddppo.config import ConfigError, NetworkConfig
-from jaxddppo.envs import EnvSpec
+from jaxddppo.envs import EnvSpec, batch_size
 from jaxddppo.normalization import RunningMoments, normalize
 
 _LOG_2PI = math.log(2.0 * math.pi)
+# An illegal action's logit: its probability is exactly 0 in float32, and being finite it
+# makes no NaN (an entropy term 0 * log 0 would be one with -inf).
+MASKED_LOGIT = -1e9
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "tanh": jnp.tanh,
@@ -44,6 +52,12 @@ class Categorical:
     """Categorical distribution over the last axis of `logits`."""
 
     logits: jax.Array
+
+    @classmethod
+    def masked(cls, logits: jax.Array, legal: jax.Array) -> Categorical:
+        """The distribution of `logits` restricted to the actions where `legal` [..., A] is true:
+        an illegal action is never sampled nor the mode, has probability 0 and adds 0 to the entropy."""
+        return cls(jnp.where(legal, logits, MASKED_LOGIT))
 
     def _log_probs(self) -> jax.Array:
         return jax.nn.log_softmax(self.logits, axis=-1)
@@ -122,23 +136,37 @@ def _dense(features: int, scale: float) -> nn.Dense:
     return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros)
 
 
+@struct.dataclass
+class TorsoInputs:
+    """A batch of observations as a torso takes it: images [..., H, W, C] for its CNN,
+    and vectors [..., D]."""
+
+    images: tuple[jax.Array, ...]
+    vectors: tuple[jax.Array, ...]
+
+
+def _convolve(images: jax.Array, channels: Sequence[int], act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """Features [..., F] of `images` [..., H, W, C]: 3x3 convolutions, flattened (call inside a
+    module's compact method: the layers are its own, named Conv_0, Conv_1, ...)."""
+    x = images
+    for width in channels:
+        x = act(nn.Conv(width, (3, 3), padding="VALID", kernel_init=orthogonal(math.sqrt(2.0)))(x))
+    return x.reshape(x.shape[:-3] + (-1,))
+
+
 class Torso(nn.Module):
-    """Optional 3x3 convolutions (image observations), then an MLP."""
+    """3x3 convolutions on each image input, then an MLP on their features and the vector
+    inputs laid end to end."""
 
     hidden_sizes: Sequence[int]
     activation: str
     cnn_channels: Sequence[int] = ()
 
     @nn.compact
-    def __call__(self, obs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: TorsoInputs) -> jax.Array:
         act = ACTIVATIONS[self.activation]
-        x = obs
-        if self.cnn_channels:
-            for channels in self.cnn_channels:
-                conv = nn.Conv(channels, (3, 3), padding="VALID",
-                               kernel_init=orthogonal(math.sqrt(2.0)))
-                x = act(conv(x))
-            x = x.reshape(x.shape[:-3] + (-1,))
+        images = [_convolve(image, self.cnn_channels, act) for image in inputs.images]
+        x = jnp.concatenate(images + list(inputs.vectors), axis=-1)
         for width in self.hidden_sizes:
             x = act(_dense(width, math.sqrt(2.0))(x))
         return x
@@ -154,10 +182,10 @@ class ActorCriticModule(nn.Module):
     init_log_std: float
 
     @nn.compact
-    def __call__(self, obs: jax.Array) -> tuple[Distribution, jax.Array]:
+    def __call__(self, inputs: TorsoInputs) -> tuple[Distribution, jax.Array]:
         torso = lambda name: Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)
-        actor_features = torso("torso" if self.shared_torso else "actor_torso")(obs)
-        critic_features = actor_features if self.shared_torso else torso("critic_torso")(obs)
+        actor_features = torso("torso" if self.shared_torso else "actor_torso")(inputs)
+        critic_features = actor_features if self.shared_torso else torso("critic_torso")(inputs)
         value = _dense(1, 1.0)(critic_features)[..., 0]
         head = _dense(self.num_actions, 0.01)(actor_features)
         if self.discrete:
@@ -194,12 +222,12 @@ class RecurrentActorCriticModule(nn.Module):
 
     @nn.compact
     def __call__(
-        self, carry: tuple[Any, ...], obs: jax.Array, episode_start: jax.Array
+        self, carry: tuple[Any, ...], inputs: TorsoInputs, episode_start: jax.Array
     ) -> tuple[tuple[Any, ...], Distribution, jax.Array]:
         names = ("torso",) if self.shared_torso else ("actor_torso", "critic_torso")
         new_carry, features = [], []
         for name, core_carry in zip(names, carry):
-            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(obs)
+            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(inputs)
             core_carry = jax.tree.map(lambda c: jnp.where(episode_start[:, None], 0.0, c), core_carry)
             core_carry, out = _recurrent_cell(self.recurrent, self.recurrent_size, f"{name}_core")(core_carry, x)
             new_carry.append(core_carry)
@@ -214,22 +242,22 @@ class RecurrentActorCriticModule(nn.Module):
         return tuple(new_carry), DiagGaussian(head, jnp.broadcast_to(log_std, head.shape)), value
 
 
-StepFn = Callable[[dict, Any, jax.Array, Optional[jax.Array]], tuple[Any, Distribution, jax.Array]]
+StepFn = Callable[[dict, Any, Any, Optional[jax.Array]], tuple[Any, Distribution, jax.Array]]
 
 
 @dataclass(frozen=True)
 class ActorCritic:
     """The network as pure functions.
 
-    `step` acts on a batch [B, ...]: (params, carry, obs, episode_start) ->
-    (carry, distribution, value). Feed-forward: carry and episode_start are
-    None and `apply(params, obs)` works on any leading batch shape. Recurrent:
-    `initial_carry(B)` is the carry of B fresh episodes and `apply` is None.
+    `step` acts on a batch of observations (a pytree, leaves [B, ...]): (params, carry,
+    obs, episode_start) -> (carry, distribution, value). Feed-forward: carry and
+    episode_start are None and `apply(params, obs)` works on any leading batch shape.
+    Recurrent: `initial_carry(B)` is the carry of B fresh episodes and `apply` is None.
     """
 
-    init: Callable[[jax.Array, jax.Array], dict]
+    init: Callable[[jax.Array, Any], dict]
     step: StepFn
-    apply: Optional[Callable[[dict, jax.Array], tuple[Distribution, jax.Array]]]
+    apply: Optional[Callable[[dict, Any], tuple[Distribution, jax.Array]]]
     initial_carry: Callable[[int], Any]
 
     @property
@@ -238,12 +266,12 @@ class ActorCritic:
 
 
 def unroll(
-    network: ActorCritic, params: dict, carry: Any, obs: jax.Array, episode_start: jax.Array
+    network: ActorCritic, params: dict, carry: Any, obs: Any, episode_start: jax.Array
 ) -> tuple[Any, Distribution, jax.Array]:
-    """`network.step` over a sequence: obs [T, B, ...], episode_start [T, B]; the carry is
-    reset where an episode starts. Returns the last carry, distributions and values [T, B]."""
+    """`network.step` over a sequence: obs leaves [T, B, ...], episode_start [T, B]; the carry
+    is reset where an episode starts. Returns the last carry, distributions and values [T, B]."""
 
-    def step(carry: Any, inputs: tuple[jax.Array, jax.Array]) -> tuple[Any, tuple[Distribution, jax.Array]]:
+    def step(carry: Any, inputs: tuple[Any, jax.Array]) -> tuple[Any, tuple[Distribution, jax.Array]]:
         carry, dist, value = network.step(params, carry, *inputs)
         return carry, (dist, value)
 
@@ -251,42 +279,95 @@ def unroll(
     return carry, dist, value
 
 
+@dataclass(frozen=True)
+class ObservationLayout:
+    """How observations reach the network. Every leaf but the action mask is a torso
+    input: an image leaf ([H, W, C] per environment) goes through the CNN if `use_cnn`,
+    any other leaf is flattened; the action mask, if the environment gives one, masks
+    the categorical head's logits."""
+
+    features: Any  # EnvSpec.observation without the action mask
+    use_cnn: bool
+    mask_key: Optional[str]
+
+    def torso_inputs(self, obs: Any) -> TorsoInputs:
+        """A batch of observations (leaves [..., *leaf shape]) as the torso's inputs: images and vectors,
+        each in tree order."""
+        images, vectors = [], []
+        for leaf, spec in zip(jax.tree.leaves(_without_mask(obs, self.mask_key)), jax.tree.leaves(self.features)):
+            if self.use_cnn and _is_image(spec):
+                images.append(leaf)
+            else:
+                vectors.append(leaf.reshape(leaf.shape[: leaf.ndim - len(spec.shape)] + (-1,)))
+        return TorsoInputs(tuple(images), tuple(vectors))
+
+    def mask(self, dist: Distribution, obs: Any) -> Distribution:
+        """`dist` restricted to the legal actions of `obs`, if it gives them."""
+        if self.mask_key is None:
+            return dist
+        return Categorical.masked(dist.logits, obs[self.mask_key])
+
+
+def _without_mask(obs: Any, mask_key: Optional[str]) -> Any:
+    if mask_key is None:
+        return obs
+    return {key: value for key, value in obs.items() if key != mask_key}
+
+
+def _is_image(spec: jax.ShapeDtypeStruct) -> bool:
+    return len(spec.shape) == 3
+
+
+def _check_action_mask(spec: EnvSpec) -> None:
+    """A mask must be a bool [num_actions] leaf of a dict observation, over discrete actions."""
+    key = spec.action_mask_key
+    if not spec.discrete:
+        raise ConfigError(f"env.id={spec.env_id!r} gives an action mask (observation[{key!r}]) but its actions are "
+                          "continuous: masks need discrete actions")
+    mask = spec.observation.get(key) if isinstance(spec.observation, Mapping) else None
+    if mask is None or mask.dtype != jnp.bool_ or tuple(mask.shape) != (spec.num_actions,):
+        raise ConfigError(f"env.id={spec.env_id!r}: its action mask observation[{key!r}] must be a bool "
+                          f"[{spec.num_actions}] leaf of a dict observation, not {mask}")
+
+
+def observation_layout(config: NetworkConfig, spec: EnvSpec) -> ObservationLayout:
+    """The layout of `spec`'s observations, or ConfigError for a torso or mask that cannot apply."""
+    if spec.action_mask_key is not None:
+        _check_action_mask(spec)
+    features = _without_mask(spec.observation, spec.action_mask_key)
+    has_image = any(_is_image(leaf) for leaf in jax.tree.leaves(features))
+    use_cnn = config.torso == "cnn" or (config.torso == "auto" and has_image)
+    if use_cnn and not has_image:
+        shapes = jax.tree.map(lambda leaf: tuple(leaf.shape), features)
+        raise ConfigError(f"network.torso='cnn' needs image observations [H, W, C]; {spec.env_id} has shape {shapes}")
+    return ObservationLayout(features=features, use_cnn=use_cnn, mask_key=spec.action_mask_key)
+
+
 def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
-    image_obs = len(spec.obs_shape) == 3
-    use_cnn = config.torso == "cnn" or (config.torso == "auto" and image_obs)
-    if use_cnn and not image_obs:
-        raise ConfigError(
-            f"network.torso='cnn' needs image observations [H, W, C]; {spec.env_id} has shape {spec.obs_shape}"
-        )
+    layout = observation_layout(config, spec)
     common = {
         "hidden_sizes": tuple(config.hidden_sizes),
         "activation": config.activation,
-        "cnn_channels": tuple(config.cnn_channels) if use_cnn else (),
+        "cnn_channels": tuple(config.cnn_channels) if layout.use_cnn else (),
         "shared_torso": config.shared_torso,
         "discrete": spec.discrete,
         "num_actions": spec.num_actions,
         "init_log_std": config.init_log_std,
     }
-    flat_obs = not use_cnn and len(spec.obs_shape) != 1
-
-    def prepare(obs: jax.Array) -> jax.Array:
-        if flat_obs:
-            return obs.reshape(obs.shape[: obs.ndim - len(spec.obs_shape)] + (-1,))
-        return obs
-
     if config.recurrent is not None:
         return _recurrent_actor_critic(config, RecurrentActorCriticModule(
             **common, recurrent=config.recurrent, recurrent_size=config.recurrent_size
-        ), prepare)
+        ), layout)
     module = ActorCriticModule(**common)
 
-    def init(key: jax.Array, obs: jax.Array) -> dict:
-        return module.init(key, prepare(obs))
+    def init(key: jax.Array, obs: Any) -> dict:
+        return module.init(key, layout.torso_inputs(obs))
 
-    def apply(params: dict, obs: jax.Array) -> tuple[Distribution, jax.Array]:
-        return module.apply(params, prepare(obs))
+    def apply(params: dict, obs: Any) -> tuple[Distribution, jax.Array]:
+        dist, value = module.apply(params, layout.torso_inputs(obs))
+        return layout.mask(dist, obs), value
 
-    def step(params: dict, carry: None, obs: jax.Array, episode_start: Optional[jax.Array]
+    def step(params: dict, carry: None, obs: Any, episode_start: Optional[jax.Array]
              ) -> tuple[None, Distribution, jax.Array]:
         return (carry, *apply(params, obs))
 
@@ -294,25 +375,26 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
 
 
 def _recurrent_actor_critic(
-    config: NetworkConfig, module: RecurrentActorCriticModule, prepare: Callable[[jax.Array], jax.Array]
+    config: NetworkConfig, module: RecurrentActorCriticModule, layout: ObservationLayout
 ) -> ActorCritic:
     num_cores = 1 if config.shared_torso else 2
 
-    def initial_carry(batch_size: int) -> tuple[Any, ...]:
-        return tuple(zero_carry(config.recurrent, config.recurrent_size, batch_size) for _ in range(num_cores))
+    def initial_carry(num_envs: int) -> tuple[Any, ...]:
+        return tuple(zero_carry(config.recurrent, config.recurrent_size, num_envs) for _ in range(num_cores))
 
-    def init(key: jax.Array, obs: jax.Array) -> dict:
-        batch_size = obs.shape[0]
-        return module.init(key, initial_carry(batch_size), prepare(obs), jnp.ones((batch_size,), bool))
+    def init(key: jax.Array, obs: Any) -> dict:
+        num_envs = batch_size(obs)
+        return module.init(key, initial_carry(num_envs), layout.torso_inputs(obs), jnp.ones((num_envs,), bool))
 
-    def step(params: dict, carry: Any, obs: jax.Array, episode_start: jax.Array
+    def step(params: dict, carry: Any, obs: Any, episode_start: jax.Array
              ) -> tuple[Any, Distribution, jax.Array]:
-        return module.apply(params, carry, prepare(obs), episode_start)
+        carry, dist, value = module.apply(params, carry, layout.torso_inputs(obs), episode_start)
+        return carry, layout.mask(dist, obs), value
 
     return ActorCritic(init=init, step=step, apply=None, initial_carry=initial_carry)
 
 
-def prepare_observations(obs_moments: Optional[RunningMoments], obs: jax.Array) -> jax.Array:
+def prepare_observations(obs_moments: Optional[RunningMoments], obs: Any) -> Any:
     """What the network sees: `obs` normalised by `obs_moments`, or as it is when there are none."""
     return obs if obs_moments is None else normalize(obs_moments, obs)
 
@@ -322,10 +404,10 @@ def policy_step(
     params: Any,
     obs_moments: Optional[RunningMoments],
     carry: Any,
-    obs: jax.Array,
+    obs: Any,
     episode_start: Optional[jax.Array],
 ) -> tuple[Any, Distribution, jax.Array]:
-    """(carry, distribution, value) for a batch of raw observations `obs` [B, ...].
+    """(carry, distribution, value) for a batch of raw observations `obs` (leaves [B, ...]).
 
     Feed-forward networks take and return `carry=None` and ignore
     `episode_start`; recurrent ones reset the carry where `episode_start` [B]

@@ -50,9 +50,9 @@ class Policy:
         """The hidden state before a first observation (None for a feed-forward policy)."""
         return self.network.initial_carry(batch_size)
 
-    def step(self, params: Any, carry: Any, obs: jax.Array, episode_start: Optional[jax.Array] = None,
+    def step(self, params: Any, carry: Any, obs: Any, episode_start: Optional[jax.Array] = None,
              key: Optional[jax.Array] = None, deterministic: bool = True) -> tuple[Any, jax.Array]:
-        """(carry, actions) for a batch of raw observations [N, *obs_shape].
+        """(carry, actions) for a batch of raw observations (leaves [N, ...], as the environment gives them).
 
         `episode_start` [N] marks observations that begin an episode (the carry is reset
         there); recurrent policies need it, feed-forward ones ignore it.
@@ -66,7 +66,7 @@ class Policy:
             raise ValueError("a stochastic action (deterministic=False) needs a key")
         return carry, dist.sample(key)
 
-    def act(self, params: Any, obs: jax.Array, key: Optional[jax.Array] = None,
+    def act(self, params: Any, obs: Any, key: Optional[jax.Array] = None,
             deterministic: bool = True) -> jax.Array:
         """Actions of a feed-forward policy for a batch of observations: the mode, or a sample drawn with `key`."""
         if self.recurrent:
@@ -77,7 +77,7 @@ class Policy:
     def _jitted_act(self) -> Callable:
         return jax.jit(self.act, static_argnames="deterministic")
 
-    def __call__(self, obs: jax.Array, key: Optional[jax.Array] = None, deterministic: bool = True) -> jax.Array:
+    def __call__(self, obs: Any, key: Optional[jax.Array] = None, deterministic: bool = True) -> jax.Array:
         return self._jitted_act(self.params, obs, key, deterministic)
 
 
