@@ -13,10 +13,11 @@ from jaxddppo.train import build, update_count
 
 from conftest import host_leaves
 
-# One small id per family whose adapter takes a single-array observation (no mask).
-ARRAY_OBS_IDS = {
+# One small id per family with a fast compile: arrays (navix), images (xminigrid), a dict with a mask (jumanji).
+SMOKE_IDS = {
     "navix": "navix:Navix-Empty-5x5-v0",
     "xminigrid": "xminigrid:MiniGrid-Empty-6x6",
+    "jumanji": "jumanji:Snake-v1",
 }
 
 
@@ -74,11 +75,11 @@ def few_updates(env_id: str, devices) -> tuple[list[np.ndarray], dict]:
     return host_leaves(state.params), jax.tree.map(np.asarray, metrics)
 
 
-@pytest.mark.parametrize("family", sorted(ARRAY_OBS_IDS))
+@pytest.mark.parametrize("family", sorted(SMOKE_IDS))
 def test_ppo_updates_are_finite_and_the_same_on_one_and_two_devices(family):
     if not installed(family):
         pytest.skip(f"the {family} extra is not installed")
-    env_id = ARRAY_OBS_IDS[family]
+    env_id = SMOKE_IDS[family]
     one_device, metrics = few_updates(env_id, jax.devices()[:1])
     two_devices, _ = few_updates(env_id, jax.devices()[:2])
     assert np.isfinite(metrics.policy_loss).all() and np.isfinite(metrics.value_loss).all()
