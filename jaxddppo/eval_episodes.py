@@ -68,7 +68,10 @@ def evaluate_policy(
     max_steps = env.spec.max_episode_steps + 1
 
     def not_done(carry: _EvalCarry) -> jax.Array:
-        return jnp.logical_and(jnp.logical_not(carry.finished.all()), carry.step < max_steps)
+        running = jnp.logical_not(carry.finished.all())
+        if env.spec.max_episode_steps == 0:  # no known limit (jumanji:Game2048-v1): every episode must end
+            return running
+        return jnp.logical_and(running, carry.step < max_steps)
 
     def step(carry: _EvalCarry) -> _EvalCarry:
         policy_carry, dist, _ = policy_step(

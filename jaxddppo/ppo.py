@@ -20,6 +20,7 @@ from jax.flatten_util import ravel_pytree
 from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, PPOConfig
 from jaxddppo.envs import BatchedEnv
+from jaxddppo.envs.base import strongly_typed
 from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
 from jaxddppo.normalization import (
     RunningMoments,
@@ -343,14 +344,13 @@ def merge_time_and_batch(tree: Any) -> Any:
 def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: Any) -> Batch:
     """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` (leaves
     [T, B, ...]) are the observations as the network saw them."""
-    flat = merge_time_and_batch
     return Batch(
-        obs=flat(obs),
-        action=flat(transitions.action),
-        log_prob=flat(transitions.log_prob),
-        value=flat(transitions.value),
-        advantage=flat(advantages),
-        target=flat(advantages + transitions.value),
+        obs=merge_time_and_batch(obs),
+        action=merge_time_and_batch(transitions.action),
+        log_prob=merge_time_and_batch(transitions.log_prob),
+        value=merge_time_and_batch(transitions.value),
+        advantage=merge_time_and_batch(advantages),
+        target=merge_time_and_batch(advantages + transitions.value),
     )
 
 
@@ -519,17 +519,3 @@ def init_train_state(
         obs_moments=init_observation_moments(env.spec.observation) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,
     ))
-
-
-def strongly_typed(tree: Any) -> Any:
-    """`tree` with no weakly typed leaf (same values and dtypes). An environment may build
-    its state from Python numbers; the compiled chunk is then called with the state it
-    returned, whose leaves are strongly typed, and a weak type in the first state would
-    make the second call's input types differ from the first's."""
-
-    def strong(leaf: jax.Array) -> jax.Array:
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            return leaf  # keys are never weakly typed
-        return jax.lax.convert_element_type(leaf, leaf.dtype)
-
-    return jax.tree.map(strong, tree)

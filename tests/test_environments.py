@@ -128,3 +128,38 @@ def test_critic_after_steps_needs_a_feed_forward_policy():
                          episode_start=jnp.ones((NUM_ENVS,), bool))
     with pytest.raises(ValueError, match="critic_after_steps needs a feed-forward policy"):
         collect_rollout(env, network.step, params, state, jax.random.key(2), NUM_STEPS, critic_after_steps=True)
+
+
+class Countdown:
+    """Episodes end on their own after 3 + (key % 20) steps; no time limit is known (max_episode_steps=0)."""
+
+    def __init__(self):
+        from jaxddppo.envs import EnvSpec
+        from jaxddppo.envs.base import observation_spec
+
+        self.spec = EnvSpec(env_id="countdown", observation=observation_spec(self.reset), discrete=True,
+                            num_actions=2, max_episode_steps=0)
+
+    def reset(self, key):
+        remaining = 3 + jax.random.randint(key, (), 0, 20)
+        return jnp.stack([remaining * 1.0, 1.0]), remaining
+
+    def step(self, key, remaining, action):
+        remaining = remaining - 1
+        return jnp.stack([remaining * 1.0, 1.0]), remaining, jnp.float32(1.0), remaining == 0, jnp.asarray(False)
+
+
+def test_evaluation_without_a_known_time_limit_runs_every_episode_to_its_end():
+    from jaxddppo.envs import BatchedEnv
+    from jaxddppo.eval_episodes import evaluate_policy
+
+    env = BatchedEnv(Countdown())
+    network = make_actor_critic(NetworkConfig(hidden_sizes=(4,)), env.spec)
+    key = jax.random.key(3)
+    params = network.init(key, env.reset(key, 1)[0])
+    result = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(env, network, params, key, 8)
+    initial_obs, _ = env.reset(jax.random.split(key)[0], 8)
+    expected = np.asarray(initial_obs[:, 0])
+    assert expected.min() > 1
+    np.testing.assert_array_equal(np.asarray(result.lengths), expected)
+    np.testing.assert_array_equal(np.asarray(result.returns), expected)

@@ -31,7 +31,9 @@ class EnvSpec:
     num_actions: int  # categories for discrete actions, dimensions for continuous ones
     action_low: tuple[float, ...] = ()
     action_high: tuple[float, ...] = ()
-    max_episode_steps: int = 0  # the time limit (evaluation steps at most this many times); 0: none known
+    # The time limit: evaluation steps at most this many times. 0: none known (jumanji:Game2048-v1,
+    # whose episodes still end), evaluation then runs until every episode has ended.
+    max_episode_steps: int = 0
     # Legal-action masks: the observation is a dict and observation[action_mask_key] is bool [num_actions].
     action_mask_key: Optional[str] = None
 
@@ -181,3 +183,19 @@ class BatchedEnv:
             jnp.where(done, 0, episode_length),
         )
         return new_state, result
+
+
+def strongly_typed(tree: Any) -> Any:
+    """`tree` with no weakly typed leaf (same values and dtypes). An environment may build
+    its state from Python numbers; the compiled chunk is then called with the state it
+    returned, whose leaves are strongly typed, and a weak type in the first state would
+    make the second call's input types differ from the first's."""
+
+    def strong(leaf: Any) -> jax.Array:
+        if not isinstance(leaf, jax.Array):
+            leaf = jnp.asarray(leaf)  # a Python or NumPy scalar in an eagerly built state
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return leaf  # keys are never weakly typed
+        return jax.lax.convert_element_type(leaf, leaf.dtype)
+
+    return jax.tree.map(strong, tree)

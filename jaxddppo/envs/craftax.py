@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxddppo.config import ConfigError
-from jaxddppo.envs.base import EnvSpec, observation_spec
+from jaxddppo.envs.base import EnvSpec, observation_spec, strongly_typed
 
 
 _NAMES = (
@@ -42,11 +42,6 @@ _INT32_MAX = 2**31 - 1
 
 def names() -> list[str]:
     return list(_NAMES)
-
-
-def _strong(tree: Any) -> Any:
-    """Drop weak types (jnp.asarray with an explicit dtype gives a strongly typed array)."""
-    return jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), tree)
 
 
 class CraftaxCore:
@@ -72,7 +67,7 @@ class CraftaxCore:
 
     def reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
         obs, state = self.env.reset_env(key, self.params)
-        return obs, _strong(state)
+        return obs, strongly_typed(state)
 
     def step(self, key: jax.Array, state: Any, action: jax.Array
              ) -> tuple[jax.Array, Any, jax.Array, jax.Array, jax.Array]:

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxddppo.config import ConfigError
-from jaxddppo.envs.base import EnvSpec, observation_spec
+from jaxddppo.envs.base import EnvSpec, observation_spec, strongly_typed
 
 
 # Vision variants (config vision=True) need MJX's Warp renderer: not offered.
@@ -81,15 +81,6 @@ def _raw_key(key: jax.Array) -> jax.Array:
     return key
 
 
-def _strong(tree: Any) -> Any:
-    """Drop weak types (e.g. mjx Data.time is weak float32 after reset, strong after a step), so that
-    reset's and step's states have the same leaf types."""
-    from jax import lax
-
-    return jax.tree_util.tree_map(
-        lambda x: lax.convert_element_type(x, x.dtype) if getattr(x, "weak_type", False) else x, tree)
-
-
 def _fresh_containers(tree: Any) -> Any:
     """Same leaves, new dicts: playground envs update state.info / state.metrics in place
     (e.g. `state.info['feet_air_time'] += dt`), which would alter the caller's state outside jit."""
@@ -109,9 +100,8 @@ class PlaygroundCore:
                              f"{', '.join(names())}")
         if name not in suites["dm_control_suite"] and not _menagerie_present():
             raise ConfigError(
-                f"env.id={env_id!r} is not supported here: it needs mujoco_menagerie, which playground "
-                f"downloads with `git clone https://github.com/deepmind/mujoco_menagerie` at load time "
-                f"(not possible offline); valid names: {', '.join(names())}")
+                f"env.id={env_id!r} needs mujoco_menagerie on disk; fetch it once (git and network needed) with: "
+                f"python -c \"from mujoco_playground import registry; registry.load('{name}')\"")
 
         config = registry.get_default_config(name)
         on_cpu = "impl" in config and jax.default_backend() == "cpu"
@@ -132,7 +122,7 @@ class PlaygroundCore:
         )
 
     def reset(self, key: jax.Array) -> tuple[Any, Any]:
-        env_state = _strong(self.env.reset(_raw_key(key)))
+        env_state = strongly_typed(self.env.reset(_raw_key(key)))
         return env_state.obs, (env_state, jnp.zeros((), jnp.int32))
 
     def step(self, key: jax.Array, state: Any, action: jax.Array
@@ -153,7 +143,7 @@ class PlaygroundCore:
         steps = steps + self.action_repeat
         terminated = env_state.done > 0
         truncated = jnp.logical_and(steps >= self.episode_length, jnp.logical_not(terminated))
-        env_state = _strong(env_state)
+        env_state = strongly_typed(env_state)
         return env_state.obs, (env_state, steps), jnp.asarray(reward, jnp.float32), terminated, truncated
 
 
