@@ -52,6 +52,32 @@ def checkpoint_dir(run_dir: str) -> str:
     return os.path.join(os.path.abspath(run_dir), CHECKPOINT_SUBDIR)
 
 
+def _is_empty(leaf: Any) -> bool:
+    return 0 in leaf.shape
+
+
+def _without_empty_leaves(tree: Any) -> Any:
+    """`tree` with its zero-size arrays replaced by None: orbax refuses to save them, and an
+    environment state may hold some (navix's `cache.patches` is [0, ...])."""
+    return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
+
+
+def _with_empty_leaves(restored: Any, abstract: Any) -> Any:
+    """The inverse of `_without_empty_leaves` for a restored tree: the zero-size arrays come
+    back, as `abstract` (shapes, dtypes, shardings) describes them; they hold no values."""
+    restored_leaves = iter(jax.tree.leaves(restored))
+    abstract_leaves, treedef = jax.tree.flatten(abstract)
+
+    def empty(leaf: Any) -> jax.Array:
+        zeros = np.zeros(leaf.shape, leaf.dtype)
+        if getattr(leaf, "sharding", None) is None:
+            return jax.numpy.asarray(zeros)
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: zeros[index])
+
+    leaves = [empty(leaf) if _is_empty(leaf) else next(restored_leaves) for leaf in abstract_leaves]
+    return jax.tree.unflatten(treedef, leaves)
+
+
 class Checkpointer:
     """Saves and restores `(TrainState, RunCounters)` under `RUN_DIR/checkpoints/`.
 
@@ -87,7 +113,7 @@ class Checkpointer:
         self._manager.save(
             counters.update,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
+                state=ocp.args.StandardSave(_without_empty_leaves(state)),
                 counters=ocp.args.JsonSave({**asdict(counters), _FORMAT_KEY: CHECKPOINT_FORMAT}),
             ),
             force=True,
@@ -106,12 +132,12 @@ class Checkpointer:
                 f"reads format {CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
             )
         restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty_leaves(abstract_state)))
         )
         if "final_episode_return" in counters:  # written by a single run before sweeps had checkpoints
             counters["final_episode_returns"] = [counters.pop("final_episode_return")]
         counters["final_episode_returns"] = tuple(counters["final_episode_returns"])
-        return restored["state"], RunCounters(**counters)
+        return _with_empty_leaves(restored["state"], abstract_state), RunCounters(**counters)
 
     def restore_latest(self, abstract_state: Any, report: Callable[[str], None],
                        set_aside: bool = False) -> tuple[Any, RunCounters]:

@@ -338,6 +338,7 @@ def complete_checkpoints(run_dir: Path) -> list[int]:
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit()) if directory.is_dir() else []
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
     """Killed three times while saving every update, resumed each time, then finished.
 
@@ -415,3 +416,21 @@ def test_recurrent_policy_loads_and_reproduces_its_evaluation(tmp_path):
     carry, action = policy.step(policy.params, carry, np.zeros((2, 4), np.float32), np.ones(2, bool))
     assert action.shape == (2,)
     assert statistics(evaluate(policy))["return_mean"] == result.summary["eval_return_mean"]
+
+
+def test_zero_size_arrays_in_the_state_survive_a_checkpoint(tmp_path):
+    """orbax refuses to save zero-size arrays; an environment state may hold some (navix's cache)."""
+    mesh_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state = {"patches": jnp.zeros((3, 0, 2), jnp.float32), "position": jnp.arange(4),
+             "moments": None, "mask": jnp.zeros((0,), bool)}
+    checkpointer = Checkpointer(str(tmp_path), asynchronous=False)
+    checkpointer.save(state, checkpoint.RunCounters(update=1, env_steps=8, train_seconds=0.5,
+                                                    final_episode_returns=(None,)))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=mesh_sharding), state)
+    restored, counters = checkpointer.restore(1, abstract)
+    checkpointer.close()
+    assert counters.env_steps == 8
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
 from jaxddppo.train import build, update_count
@@ -60,8 +61,10 @@ def test_an_unknown_name_lists_the_family_s_valid_names(family):
     assert "No-Such-Env-v0" in message and valid[0].split(":", 1)[1] in message
 
 
-def few_updates(env_id: str, devices) -> tuple[list[np.ndarray], dict]:
-    """Parameters and metrics after 2 PPO updates (2 logical shards of 2 envs) on `devices`."""
+def few_updates(env_id: str, devices, checkpoint_dir=None) -> tuple[list[np.ndarray], dict]:
+    """Parameters and metrics after 2 PPO updates (2 logical shards of 2 envs) on `devices`; with
+    `checkpoint_dir`, the state after them goes through a checkpoint, and 2 more updates from the
+    restored state must equal 2 more from the state itself, bit for bit (environment states included)."""
     config = from_dict({
         "env": {"id": env_id, "num_envs": 4},
         "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
@@ -70,17 +73,28 @@ def few_updates(env_id: str, devices) -> tuple[list[np.ndarray], dict]:
     })
     experiment = build(config, devices)
     state, inputs = experiment.init_state(), experiment.shard_inputs()
-    state, metrics, finite = experiment.learn_fn()(state, inputs, update_count(experiment.mesh, 2))
+    learn = experiment.learn_fn()
+    state, metrics, finite = learn(state, inputs, update_count(experiment.mesh, 2))
     assert bool(np.all(finite)), env_id
-    return host_leaves(state.params), jax.tree.map(np.asarray, metrics)
+    params = host_leaves(state.params)
+    if checkpoint_dir is not None:
+        checkpointer = Checkpointer(str(checkpoint_dir), asynchronous=False)
+        checkpointer.save(state, RunCounters(update=2, env_steps=32, train_seconds=0.0, final_episode_returns=(None,)))
+        restored, _ = checkpointer.restore(2, experiment.abstract_state())
+        checkpointer.close()
+        resumed, _, _ = learn(restored, inputs, update_count(experiment.mesh, 2))  # learn donates its state
+        continued, _, _ = learn(state, inputs, update_count(experiment.mesh, 2))
+        for a, b in zip(host_leaves(continued), host_leaves(resumed)):
+            np.testing.assert_array_equal(a, b)
+    return params, jax.tree.map(np.asarray, metrics)
 
 
 @pytest.mark.parametrize("family", sorted(SMOKE_IDS))
-def test_ppo_updates_are_finite_and_the_same_on_one_and_two_devices(family):
+def test_ppo_updates_are_finite_the_same_on_one_and_two_devices_and_resume_exactly(family, tmp_path):
     if not installed(family):
         pytest.skip(f"the {family} extra is not installed")
     env_id = SMOKE_IDS[family]
-    one_device, metrics = few_updates(env_id, jax.devices()[:1])
+    one_device, metrics = few_updates(env_id, jax.devices()[:1], checkpoint_dir=tmp_path)
     two_devices, _ = few_updates(env_id, jax.devices()[:2])
     assert np.isfinite(metrics.policy_loss).all() and np.isfinite(metrics.value_loss).all()
     for a, b in zip(one_device, two_devices):
