@@ -58,6 +58,17 @@ SUMMARY_FIELDS: dict[str, str] = {
 }
 
 
+def format_return(value: float, scale: Optional[float] = None) -> str:
+    """A return for people: one decimal where `scale` (default: the value itself) is 10 or
+    more (CartPole's 500.0), three below (MiniGrid's 0.958, which one decimal shows as 1.0)."""
+    return f"{value:.1f}" if abs(value if scale is None else scale) >= 10 else f"{value:.3f}"
+
+
+def format_mean_std(mean: float, std: float) -> str:
+    """'mean +- std', both with the mean's decimals."""
+    return f"{format_return(mean)} +- {format_return(std, mean)}"
+
+
 def json_safe(value: Any) -> Any:
     """Floats that JSON cannot hold (NaN, inf) become null."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -42,7 +42,7 @@ from jaxddppo.config import (
     options,
     with_overrides,
 )
-from jaxddppo.outputs import Progress, json_safe, write_json
+from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
 from jaxddppo.ppo import PPOHyperparams
 from jaxddppo.train import (
@@ -222,11 +222,11 @@ def format_table(population: Experiment, settings: list[dict]) -> str:
     header = ["", "setting", *swept_keys(population), "seeds", "eval return (mean +- std over seeds)", "final return"]
     lines = []
     for row in settings:
-        final = "n/a" if row["final_episode_return"] is None else f"{row['final_episode_return']:.1f}"
+        final = "n/a" if row["final_episode_return"] is None else format_return(row["final_episode_return"])
         lines.append([
             "*" if row["setting"] == best else "", str(row["setting"]),
             *(f"{row[key]:g}" if isinstance(row[key], float) else str(row[key]) for key in swept_keys(population)),
-            str(row["num_seeds"]), f"{row['eval_return_mean']:.1f} +- {row['eval_return_std']:.1f}", final,
+            str(row["num_seeds"]), format_mean_std(row["eval_return_mean"], row["eval_return_std"]), final,
         ])
     widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header))]
     render = lambda cells: "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
@@ -375,8 +375,9 @@ def _report(population: Experiment, result: SweepResult, progress: Progress) -> 
     progress.message(
         f"done{process_label()}: {summary['total_env_steps']:,} steps in {result.counters.train_seconds:.1f} s "
         f"({summary['env_steps_per_second']:,.0f} steps/s, compile {summary['compile_seconds']:.1f} s); best "
-        f"{setting_label(summary['best_setting'])}: eval return {best['eval_return_mean']:.1f} +- "
-        f"{best['eval_return_std']:.1f} over seeds" + (f"; {result.run_dir}/sweep.csv" if is_writer else "")
+        f"{setting_label(summary['best_setting'])}: eval return "
+        f"{format_mean_std(best['eval_return_mean'], best['eval_return_std'])} over seeds"
+        + (f"; {result.run_dir}/sweep.csv" if is_writer else "")
     )
 
 

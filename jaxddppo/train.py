@@ -43,7 +43,8 @@ from jaxddppo.config import (
 )
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy
-from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics, write_json
+from jaxddppo.outputs import (METRIC_FIELDS, MetricsSink, Progress, format_mean_std, open_metrics_sink,
+                              truncate_metrics, write_json)
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.plot import save_learning_curve
 from jaxddppo.ppo import (
@@ -715,8 +716,9 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
             progress.message(
                 f"done{process_label()}: {summary['total_env_steps']:,} steps in "
                 f"{result.counters.train_seconds:.1f} s ({summary['env_steps_per_second']:,.0f} steps/s, "
-                f"compile {result.compile_seconds:.1f} s); eval return {summary['eval_return_mean']:.1f} +- "
-                f"{summary['eval_return_std']:.1f}" + (f"; {run_dir}/summary.json" if is_writer else "")
+                f"compile {result.compile_seconds:.1f} s); eval return "
+                f"{format_mean_std(summary['eval_return_mean'], summary['eval_return_std'])}"
+                + (f"; {run_dir}/summary.json" if is_writer else "")
             )
     finally:
         progress.close()
