@@ -1,7 +1,9 @@
 """Four simulated CPU devices for every test process (set before JAX is imported); a PNG check."""
 
 import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,20 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """One JAX persistent compilation cache for the whole test session, shared by the xdist
+    workers and every subprocess (they inherit the variable): most tests compile the same few
+    small programs, and loading one from the cache takes a fifth of compiling it. Set in the
+    controller before the workers start; removed at the end. A cache directory the caller
+    chose is used as it is."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(_CACHE_VARIABLE):
+        return
+    directory = tempfile.mkdtemp(prefix="jaxddppo-tests-compilation-cache-")
+    os.environ[_CACHE_VARIABLE] = directory
+    config.add_cleanup(lambda: (os.environ.pop(_CACHE_VARIABLE, None), shutil.rmtree(directory, ignore_errors=True)))
 
 
 def subprocess_env(num_devices: int) -> dict[str, str]:
