@@ -1,5 +1,6 @@
-"""Environment families behind `env.id=FAMILY:NAME`: the ids, the one-line errors, and a few
-PPO updates per installed family, the same on 1 and 2 devices (logical shards)."""
+"""Environment families behind `env.id=FAMILY:NAME`: the ids, the one-line errors, and per installed
+family a few PPO updates, the same on 1 and 2 devices (logical shards) and exact after a checkpoint,
+and a run with observation normalisation whose evaluation is finite and whose policy loads."""
 
 import importlib.util
 
@@ -10,7 +11,8 @@ import pytest
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
-from jaxddppo.train import build, update_count
+from jaxddppo.policy import load_policy
+from jaxddppo.train import build, run, update_count
 
 from conftest import host_leaves
 
@@ -99,3 +101,26 @@ def test_ppo_updates_are_finite_the_same_on_one_and_two_devices_and_resume_exact
     assert np.isfinite(metrics.policy_loss).all() and np.isfinite(metrics.value_loss).all()
     for a, b in zip(one_device, two_devices):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(SMOKE_IDS))
+def test_a_normalising_run_evaluates_and_its_policy_loads_and_acts_legally(family, tmp_path):
+    if not installed(family):
+        pytest.skip(f"the {family} extra is not installed")
+    result = run(from_dict({
+        "env": {"id": SMOKE_IDS[family], "num_envs": 4, "normalize_observations": True},
+        "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
+        "train": {"total_env_steps": 64, "updates_per_chunk": 2, "num_shards": 2},
+        "network": {"hidden_sizes": [16]},
+        "eval": {"num_episodes": 2},
+        "run": {"dir": str(tmp_path / "run"), "progress": False},
+    }), devices=jax.devices()[:2])
+    assert np.isfinite(result.summary["eval_return_mean"])
+    policy = load_policy(result.run_dir)
+    assert policy.counters.update == 2 and policy.obs_moments is not None
+    obs, _ = policy.env.reset(jax.random.key(1), 5)
+    actions = np.asarray(policy(obs))
+    assert actions.shape == (5,) and ((0 <= actions) & (actions < policy.env.spec.num_actions)).all()
+    mask_key = policy.env.spec.action_mask_key
+    if mask_key is not None:
+        assert np.asarray(obs[mask_key])[np.arange(5), actions].all()
