@@ -17,6 +17,7 @@ from jaxddppo.config import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import families  # noqa: E402
 
 TINY_STEPS = 4096  # 8 updates of 4 envs x 128 steps, in one chunk
 
@@ -288,3 +289,36 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
     assert process.returncode == 0, process.stderr
     assert "while loops in the optimised program" in process.stdout
     assert "env steps/s on 2 cpu device(s), 3 XLA CPU pool thread(s)" in process.stdout
+
+
+def test_families_bare_rate_steps_the_config_s_environments(tmp_path):
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump({"env": {"id": "Pendulum-v1", "num_envs": 3}, "ppo": {"num_steps": 5}}))
+    result = families.bare_rate(str(config_path))
+    assert result["num_envs"] == 3 and result["steps_per_second"] > 0 and result["compile_seconds"] > 0
+
+
+def test_families_table_takes_medians_and_shows_the_share_of_the_bare_rate(tmp_path):
+    config_path = tmp_path / "navix.yaml"
+    config_path.write_text(yaml.safe_dump({"env": {"id": "navix:Navix-Empty-5x5-v0", "num_envs": 32}}))
+    path = str(config_path)
+    results = {path: {
+        "bare": [{"steps_per_second": 1000.0, "num_envs": 32}, {"steps_per_second": 3000.0, "num_envs": 32},
+                 {"steps_per_second": 2000.0, "num_envs": 32}],
+        "train_1": [{"steps_per_second": 500.0, "compile_seconds": 10.0}] * 3,
+        "train_2": [{"steps_per_second": 800.0, "compile_seconds": 12.0}, {"steps_per_second": 900.0,
+                    "compile_seconds": 14.0}, {"steps_per_second": 1000.0, "compile_seconds": 13.0}],
+    }}
+    [row] = families.table_rows([path], results)
+    assert row["bare_steps_per_second"] == 2000.0 and row["train_2_steps_per_second"] == 900.0
+    assert row["train_2_compile_seconds"] == 13.0
+    line = families.format_table([row]).splitlines()[-1]
+    assert line == "| `navix:Navix-Empty-5x5-v0` | 32 | 2,000 | 500 | 900 | 0.25, 0.45 | 10, 13 |"
+
+
+def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        families.main([str(tmp_path / "missing.yaml")])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: config file not found: {tmp_path / 'missing.yaml'} (see --help)"]
