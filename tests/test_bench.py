@@ -217,6 +217,7 @@ def test_the_script_reports_bad_arguments_without_a_traceback():
         "error: --suites=guard needs --baseline PATH, another checkout of jaxddppo (see --help)"]
 
 
+@pytest.mark.slow
 def test_guard_side_by_side_with_this_checkout_as_baseline(tmp_path):
     """The harness end to end on the guard's small row: both contenders through jaxddppo's
     command line in fresh processes, this checkout standing in for the baseline."""
@@ -278,6 +279,7 @@ def test_the_shim_steps_gymnax_the_five_value_way_and_stands_in_for_unused_simul
     assert process.stdout.split() == ["5"]
 
 
+@pytest.mark.slow
 def test_profile_update_runs_as_the_config_says(tmp_path):
     """benchmarks/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
     process = subprocess.run(

@@ -140,7 +140,8 @@ def test_save_schedule_by_update_and_by_time():
     assert not off.due_by_time() and not any(off.due_by_update(update) for update in range(1, 100))
 
 
-@pytest.mark.parametrize("every_seconds, expected", [(1e-9, ["4", "8", "12"]), (300.0, ["12"])])
+@pytest.mark.parametrize("every_seconds, expected", [(1e-9, ["4", "8", "12"]),
+                                                     pytest.param(300.0, ["12"], marks=pytest.mark.slow)])
 def test_time_based_checkpoints_fall_on_chunk_boundaries(tmp_path, every_seconds, expected):
     """With no update cadence, a save is due at the first chunk boundary after `every_seconds`:
     after every chunk with a tiny interval, only the final save within a short run by default."""
@@ -190,7 +191,7 @@ def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert "is unreadable, skipped" in lines[0] and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("written_format", ["absent", 1])
+@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 1])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
     """Checkpoints of jaxddppo before format 2 (no format recorded: the optimizer state over
     the parameters laid end to end) are refused by --resume with one line and exit 2, and

@@ -69,6 +69,7 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
 
 
+@pytest.mark.slow
 def test_training_with_cpu_sorts_learns_the_same_on_one_and_two_devices(tmp_path):
     from jaxddppo.train import run
 

@@ -225,6 +225,7 @@ def test_unknown_recurrent_core_is_a_config_error():
         from_dict({"network": {"recurrent": "rnn"}})
 
 
+@pytest.mark.slow
 def test_memory_task_learned_by_gru_while_feed_forward_stays_at_chance(tmp_path):
     """experiments/memory_chain.yaml as it is (GRU), and with network.recurrent=null.
     Returns are +1 or -1 per episode, 0 in expectation when guessing; 256 evaluation

@@ -278,6 +278,7 @@ def threads_config(tmp_path: Path, cpu_threads: int) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through Linux's /proc")
 def test_cpu_threads_sizes_the_thread_pool_and_leaves_results_unchanged(tmp_path):
     """A fresh process with run.cpu_threads=3 (neither XLA's default on this machine's

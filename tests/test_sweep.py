@@ -246,6 +246,7 @@ def test_sweep_command_refuses_bad_input_in_one_line(tmp_path, args, expected):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_cpu_devices_splits_the_cpu_for_the_command_line_sweep(sweep_result, tmp_path):
     """`python -m jaxddppo.sweep ... run.cpu_devices=2` in a process where JAX would see
     one CPU device places the members on two, and learns bit for bit what the same sweep
@@ -399,6 +400,7 @@ def test_periodic_evaluation_and_tensorboard_per_member(tmp_path):
         assert any(name.startswith("events.out.tfevents") for name in events)
 
 
+@pytest.mark.slow
 def test_sweep_command_sigterm_saves_and_resumes(tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "sweep.log"
     args = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--seeds", "2", "env.num_envs=8",
