@@ -124,13 +124,8 @@ class JumanjiCore:
             if converter is not None:
                 self._converters[field] = converter
         obs = observation_spec(self.reset)
-        mask_key = None
-        if MASK_KEY in obs:
-            mask = obs[MASK_KEY]
-            if mask.dtype != jnp.bool_ or tuple(mask.shape) != (self.num_actions,):
-                raise ConfigError(f"env.id={env_id!r}: action_mask is {mask.dtype}{list(mask.shape)}, "
-                                 f"not bool[{self.num_actions}]")
-            mask_key = MASK_KEY
+        # A malformed mask is refused where every family's is checked (networks.observation_layout).
+        mask_key = MASK_KEY if MASK_KEY in obs else None
         self.spec = EnvSpec(
             env_id=env_id,
             observation=obs,
