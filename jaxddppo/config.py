@@ -116,6 +116,11 @@ class TrainConfig:
         16, "updates per compiled call; the host logs and reports progress between calls (one program runs "
         "every chunk, the last and shorter ones included)"
     )
+    batch_members: bool = _opt(
+        True, "sweeps: train the members that share a device as one batch (vmap, the fastest); false trains "
+        "them one after another, each bit for bit as the single run of its config (batched, they differ from "
+        "it in the last bits)"
+    )
 
 
 @dataclass(frozen=True)

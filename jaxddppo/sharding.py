@@ -153,30 +153,48 @@ def shard_sharding(mesh: Mesh) -> NamedSharding:
 
 def pmean_over_shards(tree: Any) -> Any:
     """Mean over every shard (call inside a function wrapped by `shard_parallel`)."""
-    return jax.lax.pmean(tree, _ALL_SHARD_AXES)
+    return jax.lax.pmean(tree, _bound_shard_axes())
 
 
 def psum_over_shards(tree: Any) -> Any:
     """Sum over every shard (call inside a function wrapped by `shard_parallel`)."""
-    return jax.lax.psum(tree, _ALL_SHARD_AXES)
+    return jax.lax.psum(tree, _bound_shard_axes())
+
+
+def _bound_shard_axes() -> tuple[str, ...]:
+    """The shard axes of the function being traced: `SHARD_AXIS` is left unbound where a
+    device holds one shard (see `_over_leading_axis`)."""
+    return tuple(name for name in _ALL_SHARD_AXES if _is_bound(name))
+
+
+def _is_bound(axis_name: str) -> bool:
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return False
+    return True
 
 
 def shard_parallel(per_shard: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
-                   shared_argnums: tuple[int, ...] = ()) -> Callable:
+                   shared_argnums: tuple[int, ...] = (), batch_members: bool = True) -> Callable:
     """Compile `per_shard` to run once per logical shard over the whole mesh.
 
     Every argument and result is a pytree whose leaves lead with the state axes of
     `mesh` (`state_spec`): [num_shards] on a run's mesh, [num_members, num_shards] on a
     population's; except the arguments at `shared_argnums`: one value for every shard
     (such as a chunk's count of updates), replicated over the mesh (`shared_array`) and
-    not batched. Members are vmapped without an axis name, so `pmean_over_shards`
-    reduces over one member's shards only. `check_vma=False` gives pmap semantics:
-    `jax.grad` inside `per_shard` is the local gradient, and `pmean_over_shards` then
-    averages it (with the default `check_vma=True`, grad would already sum over devices).
+    not batched. The members on a device are vmapped without an axis name (so
+    `pmean_over_shards` reduces over one member's shards only), or with
+    `batch_members=False` run one after another (`lax.map`): XLA compiles a batch of
+    members otherwise than one member, in the last bits, and a member run in turn
+    computes what its single run computes, bit for bit (`train.batch_members`).
+    `check_vma=False` gives pmap semantics: `jax.grad` inside `per_shard` is the local
+    gradient, and `pmean_over_shards` then averages it (with the default
+    `check_vma=True`, grad would already sum over devices).
     """
-    per_device = _vmap_unshared(per_shard, shared_argnums, SHARD_AXIS)
+    per_device = _over_leading_axis(per_shard, shared_argnums, batched=True, axis_name=SHARD_AXIS)
     if is_population(mesh):
-        per_device = _vmap_unshared(per_device, shared_argnums)
+        per_device = _over_leading_axis(per_device, shared_argnums, batched=batch_members)
     return _jit_over_mesh(per_device, mesh, state_spec(mesh), donate_argnums, shared_argnums)
 
 
@@ -190,10 +208,29 @@ def state_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
-def _vmap_unshared(function: Callable, shared_argnums: tuple[int, ...], axis_name: Optional[str] = None) -> Callable:
-    """`jax.vmap(function)` over the leading axis of every argument but those at `shared_argnums`."""
+def _over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batched: bool,
+                       axis_name: Optional[str] = None) -> Callable:
+    """`function` over the leading axis of every argument but those at `shared_argnums`:
+    `jax.vmap` (with `axis_name`) if `batched`, else `lax.map` (no axis name: only for
+    functions that do not communicate along the axis).
+
+    An axis of length 1 is indexed instead, `axis_name` left unbound: XLA compiles a batch
+    of one otherwise than no batch (it turns the gradient's matrix products around), which
+    would change the bits that a shard alone on its device, or a member, computes.
+    """
 
     def mapped(*args: Any) -> Any:
+        mapped_args = [arg for index, arg in enumerate(args) if index not in shared_argnums]
+
+        def call(unshared: Sequence[Any]) -> Any:
+            remaining = iter(unshared)
+            return function(*[arg if index in shared_argnums else next(remaining) for index, arg in enumerate(args)])
+
+        length = jax.tree.leaves(mapped_args)[0].shape[0]
+        if length == 1:
+            return jax.tree.map(lambda leaf: leaf[None], call(jax.tree.map(lambda leaf: leaf[0], mapped_args)))
+        if not batched:
+            return jax.lax.map(call, mapped_args)
         in_axes = tuple(None if index in shared_argnums else 0 for index in range(len(args)))
         return jax.vmap(function, in_axes=in_axes, axis_name=axis_name)(*args)
 

@@ -133,6 +133,10 @@ class Experiment:
         """A sweep's outputs name the member of every metrics row, even a population of one."""
         return sharding.is_population(self.mesh)
 
+    @property
+    def batch_members(self) -> bool:
+        return self.config.train.batch_members
+
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
         """`(shard_inputs) -> TrainState`: the initial global state, leaves leading with the state axes."""
         def init_shard(shard: ShardInputs) -> TrainState:
@@ -141,7 +145,7 @@ class Experiment:
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
 
-        return sharding.shard_parallel(init_shard, self.mesh)
+        return sharding.shard_parallel(init_shard, self.mesh, batch_members=self.batch_members)
 
     def shard_inputs(self) -> ShardInputs:
         num_shards = self.topology.num_shards
@@ -177,7 +181,8 @@ class Experiment:
             state, metrics = run_updates(update, shard.hyperparams, state, num_updates, capacity)
             return state, metrics, all_finite(state.params)
 
-        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,))
+        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
+                                      batch_members=self.batch_members)
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
         """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf per shard.
@@ -193,7 +198,7 @@ class Experiment:
                 config.eval.num_episodes, topology.num_shards, obs_moments,
             )
 
-        return sharding.shard_parallel(evaluate, self.mesh)
+        return sharding.shard_parallel(evaluate, self.mesh, batch_members=self.batch_members)
 
     def final_evaluations(self, state: TrainState) -> list[EvalResult]:
         """Every member's final deterministic evaluation of its shard 0, on the host, one

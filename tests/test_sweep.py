@@ -74,21 +74,41 @@ def sweep_result(tmp_path_factory):
     return jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS, devices=jax.devices()[:2])
 
 
-@pytest.mark.oldest
-@pytest.mark.parametrize("member", [1, 2])
-def test_member_trains_as_its_single_run(sweep_result, member, tmp_path):
-    row = sweep_result.members[member]
+@pytest.fixture(scope="module")
+def member_1_single_run(sweep_result, tmp_path_factory):
+    """The single run of member 1's config (its learning rate, its seed) on one device."""
+    row = sweep_result.members[1]
     single_config = with_overrides(from_dict(SMALL), {
         "ppo.learning_rate": row["ppo.learning_rate"],
         "train.seed": row["seed"],
         "train.num_shards": sweep_result.summary["num_shards"],
-        "run.dir": str(tmp_path / "single"),
+        "run.dir": str(tmp_path_factory.mktemp("single") / "run"),
     })
-    single = run(single_config, devices=jax.devices()[:1])
-    assert row["params_digest"] == pytest.approx(single.summary["params_digest"], rel=INVARIANCE_RTOL)
+    return run(single_config, devices=jax.devices()[:1])
+
+
+@pytest.mark.oldest
+def test_batched_member_trains_as_its_single_run(sweep_result, member_1_single_run):
+    row = sweep_result.members[1]
+    assert row["params_digest"] == pytest.approx(member_1_single_run.summary["params_digest"], rel=INVARIANCE_RTOL)
     # A different member differs by far more than the tolerance.
-    other = sweep_result.members[3 - member]
+    other = sweep_result.members[2]
     assert abs(other["params_digest"] - row["params_digest"]) > 1e-3 * row["params_digest"]
+
+
+def test_member_in_turn_trains_bit_for_bit_as_its_single_run(sweep_result, member_1_single_run, tmp_path):
+    """With train.batch_members=false the 4 members share one device one after another,
+    and member 1 ends with its single run's parameters, bit for bit."""
+    config = with_overrides(from_dict(SMALL), {"train.batch_members": False, "run.dir": str(tmp_path / "run")})
+    in_turn = jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS,
+                                 devices=jax.devices()[:1])
+    assert in_turn.summary["member_devices"] == 1 and in_turn.summary["num_members"] == 4
+    member_params = jax.tree.map(lambda leaf: leaf[1, 0], sharding.all_shards(in_turn.state.params))
+    single_params = sharding.first_shard(member_1_single_run.state.params)
+    for member_leaf, single_leaf in zip(jax.tree.leaves(member_params), jax.tree.leaves(single_params)):
+        np.testing.assert_array_equal(member_leaf, single_leaf)
+    assert in_turn.members[1]["params_digest"] == member_1_single_run.summary["params_digest"]
+    assert in_turn.members[1]["eval_return_mean"] == member_1_single_run.summary["eval_return_mean"]
 
 
 def test_sweep_csv_rows_and_columns(sweep_result):
