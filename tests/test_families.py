@@ -1,6 +1,7 @@
 """Environment families behind `env.id=FAMILY:NAME`: the ids, the one-line errors, and per installed
-family a few PPO updates, the same on 1 and 2 devices (logical shards) and exact after a checkpoint,
-and a run with observation normalisation whose evaluation is finite and whose policy loads."""
+family a few PPO updates of a two-seed sweep: exact after a checkpoint, a member the same as its
+single run on 4 devices (logical shards); a run with observation normalisation whose evaluation
+is finite and whose policy loads."""
 
 import importlib.util
 
@@ -12,7 +13,8 @@ from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
 from jaxddppo.policy import load_policy
-from jaxddppo.train import build, run, update_count
+from jaxddppo.sweep import build_population
+from jaxddppo.train import Experiment, build, run, update_count
 
 from conftest import host_leaves
 
@@ -63,25 +65,29 @@ def test_an_unknown_name_lists_the_family_s_valid_names(family):
     assert "No-Such-Env-v0" in message and valid[0].split(":", 1)[1] in message
 
 
-def few_updates(env_id: str, devices, checkpoint_dir=None) -> tuple[list[np.ndarray], dict]:
-    """Parameters and metrics after 2 PPO updates (2 logical shards of 2 envs) on `devices`; with
-    `checkpoint_dir`, the state after them goes through a checkpoint, and 2 more updates from the
-    restored state must equal 2 more from the state itself, bit for bit (environment states included)."""
-    config = from_dict({
+def smoke_config(env_id: str):
+    """2 PPO updates of 4 logical shards of 1 env each, a small network."""
+    return from_dict({
         "env": {"id": env_id, "num_envs": 4},
         "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
-        "train": {"total_env_steps": 64, "updates_per_chunk": 2, "num_shards": 2},
+        "train": {"total_env_steps": 64, "updates_per_chunk": 2, "num_shards": 4},
         "network": {"hidden_sizes": [16]},
     })
-    experiment = build(config, devices)
+
+
+def two_updates(experiment: Experiment, checkpoint_dir=None) -> tuple[list[np.ndarray], dict]:
+    """Parameters and metrics after 2 updates (leaves [members,] shards, ...); with `checkpoint_dir`,
+    the state after them goes through a checkpoint, and 2 more updates from the restored state must
+    equal 2 more from the state itself, bit for bit (environment states included)."""
     state, inputs = experiment.init_state(), experiment.shard_inputs()
     learn = experiment.learn_fn()
     state, metrics, finite = learn(state, inputs, update_count(experiment.mesh, 2))
-    assert bool(np.all(finite)), env_id
+    assert bool(np.all(finite)), experiment.config.env.id
     params = host_leaves(state.params)
     if checkpoint_dir is not None:
         checkpointer = Checkpointer(str(checkpoint_dir), asynchronous=False)
-        checkpointer.save(state, RunCounters(update=2, env_steps=32, train_seconds=0.0, final_episode_returns=(None,)))
+        checkpointer.save(state, RunCounters(update=2, env_steps=32, train_seconds=0.0,
+                                             final_episode_returns=(None,) * len(experiment.members)))
         restored, _ = checkpointer.restore(2, experiment.abstract_state())
         checkpointer.close()
         resumed, _, _ = learn(restored, inputs, update_count(experiment.mesh, 2))  # learn donates its state
@@ -92,15 +98,18 @@ def few_updates(env_id: str, devices, checkpoint_dir=None) -> tuple[list[np.ndar
 
 
 @pytest.mark.parametrize("family", sorted(SMOKE_IDS))
-def test_ppo_updates_are_finite_the_same_on_one_and_two_devices_and_resume_exactly(family, tmp_path):
+def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_devices(family, tmp_path):
+    """Seeds 0 and 1 as a sweep on one device; member 0 matches the run of seed 0 on 4 devices."""
     if not installed(family):
         pytest.skip(f"the {family} extra is not installed")
-    env_id = SMOKE_IDS[family]
-    one_device, metrics = few_updates(env_id, jax.devices()[:1], checkpoint_dir=tmp_path)
-    two_devices, _ = few_updates(env_id, jax.devices()[:2])
+    config = smoke_config(SMOKE_IDS[family])
+    members, metrics = two_updates(build_population(config, {"train.seed": [0, 1]}, devices=jax.devices()[:1]),
+                                   checkpoint_dir=tmp_path)
+    four_devices, _ = two_updates(build(config, jax.devices()[:4]))
     assert np.isfinite(metrics.policy_loss).all() and np.isfinite(metrics.value_loss).all()
-    for a, b in zip(one_device, two_devices):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for member, single in zip(members, four_devices):
+        np.testing.assert_allclose(member[0], single, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(members[-1][1], members[-1][0])
 
 
 @pytest.mark.parametrize("family", sorted(SMOKE_IDS))
