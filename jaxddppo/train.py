@@ -567,14 +567,16 @@ def fresh_counters(num_members: int) -> RunCounters:
     return RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_returns=(None,) * num_members)
 
 
-def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str, progress: Progress,
-                state: TrainState) -> tuple[TrainState, RunCounters]:
+def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str,
+                progress: Progress) -> tuple[Optional[TrainState], RunCounters]:
     """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0).
+    Reads nothing but the checkpoint (no program is compiled), so a checkpoint that cannot
+    be resumed is refused at once.
 
-    A run stopped before its first checkpoint completed starts again from `state`
-    (update 0); its metrics rows are written anew, identical.
+    A run stopped before its first checkpoint completed starts again from update 0 (the
+    state is then None); its metrics rows are written anew, identical.
     """
-    counters = fresh_counters(len(experiment.members))
+    state, counters = None, fresh_counters(len(experiment.members))
     if checkpointer.steps():
         state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
         progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
@@ -656,15 +658,15 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
     compile_start = time.perf_counter()
     stop_update = min(topology.num_updates, session.stop_after_updates or topology.num_updates)
-    programs = compile_programs(experiment)
-    state = programs.init(programs.inputs)
-    counters = fresh_counters(len(experiment.members))
-    restored_update = None
+    state, counters, restored_update = None, fresh_counters(len(experiment.members)), None
     if session.resume:
-        state, counters = restore_run(experiment, checkpointer, session.run_dir, session.progress, state)
+        state, counters = restore_run(experiment, checkpointer, session.run_dir, session.progress)
         restored_update = counters.update if counters.update else None
         if is_writer:
             write_config(session.run_dir, config)  # with the resume's overrides, once they proved valid
+    programs = compile_programs(experiment)
+    if state is None:
+        state = programs.init(programs.inputs)
     plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start

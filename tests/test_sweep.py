@@ -1,6 +1,7 @@
 """Sweeps: a population of grid points x seeds in one program, spread over devices.
 
-- A member trains as the single run of its config (two different members).
+- A member trains as the single run of its config: batched, to a tolerance; in turn
+  (train.batch_members=false), bit for bit.
 - sweep.csv, metrics.jsonl and curves.png hold what the docs say.
 - Structural keys are refused with one line; placement is derived and validated.
 - `jaxddppo.run` / `jaxddppo.run_sweep` are the modules' functions, and `python -m` works without warnings.
@@ -44,7 +45,7 @@ from jaxddppo.sweep import (
 from jaxddppo.train import Experiment, NonFiniteError, run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Same maths, but members are vmapped (batched matmuls) and hyperparameters traced: reduction order.
+# Same maths, but XLA compiles a batch of members otherwise in the last bits (docs/sweeps.md).
 INVARIANCE_RTOL = 1e-5
 
 # 4 envs x 16 steps = 64 env steps per update, 32 updates.
@@ -96,7 +97,7 @@ def test_batched_member_trains_as_its_single_run(sweep_result, member_1_single_r
     assert abs(other["params_digest"] - row["params_digest"]) > 1e-3 * row["params_digest"]
 
 
-def test_member_in_turn_trains_bit_for_bit_as_its_single_run(sweep_result, member_1_single_run, tmp_path):
+def test_member_in_turn_trains_bit_for_bit_as_its_single_run(member_1_single_run, tmp_path):
     """With train.batch_members=false the 4 members share one device one after another,
     and member 1 ends with its single run's parameters, bit for bit."""
     config = with_overrides(from_dict(SMALL), {"train.batch_members": False, "run.dir": str(tmp_path / "run")})
@@ -287,6 +288,7 @@ def sweep_command_args(tmp_path: Path) -> list[str]:
             f"run.dir={tmp_path / 'r'}"]
 
 
+@pytest.mark.slow  # about 60 s; test_sweep_command_splits_the_cpu_only_where_nothing_else_decides runs in CI
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two cores to pin the sweep to")
 def test_command_line_sweep_takes_one_cpu_device_per_core(sweep_result, tmp_path):
