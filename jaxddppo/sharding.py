@@ -231,8 +231,7 @@ def _over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batc
             return jax.tree.map(lambda leaf: leaf[None], call(jax.tree.map(lambda leaf: leaf[0], mapped_args)))
         if not batched:
             return jax.lax.map(call, mapped_args)
-        in_axes = tuple(None if index in shared_argnums else 0 for index in range(len(args)))
-        return jax.vmap(function, in_axes=in_axes, axis_name=axis_name)(*args)
+        return jax.vmap(call, axis_name=axis_name)(mapped_args)
 
     mapped.__name__ = getattr(function, "__name__", "mapped")  # names the compiled program
     return mapped
