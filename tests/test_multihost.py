@@ -134,6 +134,7 @@ def processes_mentioning(text: str) -> dict[int, str]:
     return found
 
 
+@pytest.mark.slow  # about 60 s; test_launch.py checks the same stop and message on stand-in processes in CI
 def test_launcher_stops_every_process_when_a_worker_dies(tmp_path):
     run_dir = tmp_path / "killed"
     long_run = SMALL_RUN + ["train.total_env_steps=10000000", "train.updates_per_chunk=1", f"run.dir={run_dir}"]
