@@ -121,6 +121,12 @@ class TrainConfig:
         "them one after another, each bit for bit as the single run of its config (batched, they differ from "
         "it in the last bits)"
     )
+    exact_reductions: bool = _opt(
+        True, "the shards that share a device run one after another and every cross-shard sum adds the shards "
+        "in order of their index: the same train.num_shards gives the same bits on any device count. false runs "
+        "a device's shards as one batch (vmap) and sums with an all-reduce: faster where a device holds several "
+        "shards, equal across device counts only up to float rounding"
+    )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from flax import struct
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
-from jaxddppo.sharding import pmean_over_shards
+from jaxddppo.sharding import DeviceShards
 
 
 @struct.dataclass
@@ -102,24 +102,29 @@ def episodes_per_shard(num_episodes: int, num_shards: int) -> int:
 
 def evaluate_on_shards(
     env: BatchedEnv, network: ActorCritic, params: Any, key: jax.Array, shard_index: jax.Array,
-    num_episodes: int, num_shards: int, obs_moments: Optional[RunningMoments] = None,
+    num_episodes: int, num_shards: int, shards: DeviceShards, obs_moments: Optional[RunningMoments] = None,
 ) -> EvalStats:
-    """This shard's share of `num_episodes` deterministic episodes, reduced over all shards.
+    """The device's shards' (global indices `shard_index` [L]) share of `num_episodes`
+    deterministic episodes, reduced over all shards: the same statistics on every device.
 
-    Call inside a function wrapped by `sharding.shard_parallel`. Episode `i`
-    (global index) runs alone with key `fold_in(key, i)` on whichever shard holds it.
+    Call inside a per-device function (`sharding.shard_parallel`). Episode `i` (global
+    index) runs alone with key `fold_in(key, i)` on whichever shard holds it.
     """
     count = episodes_per_shard(num_episodes, num_shards)
-    indices = shard_index * count + jnp.arange(count)
-    results = jax.vmap(
-        lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1, obs_moments)
-    )(indices)
-    returns, lengths = results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32)
-    valid = (indices < num_episodes).astype(jnp.float32)
-    # Means of per-shard sums times num_shards are sums over all episodes; the
-    # variance is a second pass around the global mean, so nothing cancels.
-    scale = num_shards / num_episodes
-    return_mean, length_mean = pmean_over_shards((jnp.sum(valid * returns), jnp.sum(valid * lengths)))
-    return_mean, length_mean = return_mean * scale, length_mean * scale
-    variance = pmean_over_shards(jnp.sum(valid * jnp.square(returns - return_mean))) * scale
-    return EvalStats(return_mean=return_mean, return_std=jnp.sqrt(variance), length_mean=length_mean)
+
+    def shard_episodes(index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        indices = index * count + jnp.arange(count)
+        results = jax.vmap(
+            lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1, obs_moments)
+        )(indices)
+        valid = (indices < num_episodes).astype(jnp.float32)
+        return results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32), valid
+
+    returns, lengths, valid = shards.map(shard_episodes, shard_index)
+    # Sums over every shard's episodes; the variance is a second pass around the mean, so nothing cancels.
+    return_sum, length_sum = shards.sum(shards.map(
+        lambda r, l, v: (jnp.sum(v * r), jnp.sum(v * l)), returns, lengths, valid
+    ))
+    return_mean, length_mean = return_sum / num_episodes, length_sum / num_episodes
+    squares = shards.sum(shards.map(lambda r, v: jnp.sum(v * jnp.square(r - return_mean)), returns, valid))
+    return EvalStats(return_mean=return_mean, return_std=jnp.sqrt(squares / num_episodes), length_mean=length_mean)

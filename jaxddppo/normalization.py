@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.sharding import pmean_over_shards, psum_over_shards
+from jaxddppo.sharding import DeviceShards
 
 OBS_CLIP = 10.0  # normalised observations are clipped to [-OBS_CLIP, OBS_CLIP]
 _VARIANCE_EPS = 1e-8
@@ -69,29 +69,32 @@ def merge_moments(a: RunningMoments, b: RunningMoments) -> RunningMoments:
     )
 
 
-def global_batch_moments(samples: Any) -> RunningMoments:
-    """Moments of every shard's `samples` together: a pytree of float leaves [N, ...]
-    (N is the same on every leaf and every shard; None leaves are left out).
+def global_batch_moments(samples: Any, shards: DeviceShards) -> RunningMoments:
+    """Moments of every shard's `samples` together: a pytree of float leaves
+    [shards_per_device, N, ...] (N is the same on every leaf and every shard; None leaves
+    are left out). Call inside a per-device function (`sharding.shard_parallel`).
 
     With equal counts the parallel merge of the S shard moments reduces to
     mean = mean_s(mean_i) and M2 = sum_i (M2_i + N (mean_i - mean)^2).
-    Call inside a function wrapped by `shard_parallel`.
     """
-    num_local = jax.tree.leaves(samples)[0].shape[0]
-    local_mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), samples)
-    mean = pmean_over_shards(local_mean)
+    num_local = jax.tree.leaves(samples)[0].shape[1]
+    local_mean = shards.map(lambda shard: jax.tree.map(lambda x: jnp.mean(x, axis=0), shard), samples)
+    mean = shards.mean(local_mean)
 
     def local_m2(x: jax.Array, shard_mean: jax.Array, global_mean: jax.Array) -> jax.Array:
         return jnp.sum(jnp.square(x - shard_mean), axis=0) + num_local * jnp.square(shard_mean - global_mean)
 
-    m2, count = psum_over_shards((jax.tree.map(local_m2, samples, local_mean, mean), jnp.float32(num_local)))
-    return RunningMoments(count=count, mean=mean, m2=m2)
+    m2 = shards.sum(shards.map(
+        lambda shard, shard_mean: jax.tree.map(local_m2, shard, shard_mean, mean), samples, local_mean
+    ))
+    return RunningMoments(count=jnp.float32(num_local * shards.num_shards(samples)), mean=mean, m2=m2)
 
 
-def update_moments(moments: RunningMoments, samples: Any) -> RunningMoments:
-    """`moments` with every shard's `samples` (leaves [N, *leaf shape]) merged in; bool leaves are skipped."""
+def update_moments(moments: RunningMoments, samples: Any, shards: DeviceShards) -> RunningMoments:
+    """`moments` with every shard's `samples` (leaves [shards_per_device, N, *leaf shape])
+    merged in; bool leaves are skipped."""
     float_samples = jax.tree.map(lambda x: None if _is_bool(x) else x, samples)
-    return merge_moments(moments, global_batch_moments(float_samples))
+    return merge_moments(moments, global_batch_moments(float_samples, shards))
 
 
 def normalize(moments: RunningMoments, x: Any) -> Any:

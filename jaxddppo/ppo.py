@@ -1,9 +1,12 @@
 """PPO: the loss, epochs x minibatches with a gradient all-reduce, and one update step.
 
 `make_update` binds the static pieces (environment, network, sizes) and returns
-the per-shard `update(state, hyperparams) -> (state, metrics)`; `sharding.py`
-runs it on every shard. Every statistic that all shards use (advantage
-normalisation, gradients, logged metrics) is reduced over all shards.
+the per-device `update(state, hyperparams) -> (state, metrics)`; `sharding.py`
+runs it on every device. It runs each of the device's shards' rollouts, returns
+and minibatch gradients with `DeviceShards.map`, and reduces every statistic that
+all shards use (advantage normalisation, gradients, logged metrics) over all
+shards with `DeviceShards.mean`; parameters and optimizer state, the same on every
+shard, are updated once per device.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jaxddppo.normalization import (
     update_moments,
 )
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
-from jaxddppo.sharding import Topology, pmean_over_shards
+from jaxddppo.sharding import DeviceShards, Topology, copies, one_copy
 
 
 @struct.dataclass
@@ -71,6 +74,7 @@ class UpdateSettings:
     normalize_observations: bool
     scale_rewards: bool
     minibatch_shuffle: str = "jax"  # ppo.minibatch_shuffle
+    exact_reductions: bool = True  # train.exact_reductions
 
     @classmethod
     def from_config(cls, config: Config, topology: Topology) -> "UpdateSettings":
@@ -91,16 +95,22 @@ class UpdateSettings:
             normalize_observations=config.env.normalize_observations,
             scale_rewards=config.env.scale_rewards,
             minibatch_shuffle=ppo.minibatch_shuffle,
+            exact_reductions=config.train.exact_reductions,
         )
 
     @property
     def sgd_steps_per_update(self) -> int:
         return self.num_epochs * self.num_minibatches
 
+    @property
+    def shards(self) -> DeviceShards:
+        return DeviceShards(exact=self.exact_reductions)
+
 
 @struct.dataclass
 class TrainState:
-    """Everything one shard carries between updates."""
+    """Everything one shard carries between updates (a device's shards: leaves lead with
+    [shards_per_device]; params, opt_state, update_index and moments are the same on every shard)."""
 
     params: Any
     opt_state: Any  # the optimizer's (`optimizer_state`)
@@ -216,35 +226,40 @@ def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSe
     return make_optimizer(hyperparams, settings).init(params)
 
 
-def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array) -> jax.Array:
+def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
     """Advantages of every minibatch, normalised over that global minibatch (all shards).
 
-    `advantages` is this shard's flat [N]; `indices` [E, M, n] picks each epoch's
-    minibatches. The statistics of all E x M minibatches travel in one all-reduce,
-    around a shift common to every shard (the rollout mean) so E[x^2] - E[x]^2
-    does not cancel.
+    `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
+    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
+    together, around a shift common to every shard (the rollout mean) so
+    E[x^2] - E[x]^2 does not cancel.
     """
-    shift = pmean_over_shards(jnp.mean(advantages))
-    centered = advantages[indices] - shift
-    mean, mean_square = pmean_over_shards((jnp.mean(centered, -1), jnp.mean(jnp.square(centered), -1)))
+    shift = shards.mean(shards.map(jnp.mean, advantages))
+    centered = shards.map(lambda shard, index: shard[index] - shift, advantages, indices)
+    mean, mean_square = shards.mean(shards.map(
+        lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
+    ))
     std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
-    return (centered - mean[..., None]) / (std[..., None] + 1e-8)
+    return shards.map(lambda shard: (shard - mean[..., None]) / (std[..., None] + 1e-8), centered)
 
 
-def shard_gradients(
-    params: Any, minibatch: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool
+def mean_gradients(
+    params: Any, minibatches: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool,
+    shards: DeviceShards,
 ) -> tuple[Any, LossInfo]:
-    """Gradient of the global minibatch: each shard's local gradient, averaged over all
-    shards in one all-reduce (of the gradient's leaves laid end to end).
+    """Gradient of the global minibatch: each shard's gradient of its own loss (`minibatches`
+    leaves [L, ...]), averaged over every shard. Returns it and each shard's loss info [L]
+    (grad_norm: the mean gradient's norm).
 
-    `jax.grad` is taken of the local loss and the gradients are then averaged:
-    under `shard_parallel` (pmap semantics) grad of a pmean'd loss would be local.
-    The returned loss info is this shard's own (average it over shards once per update).
+    `jax.grad` is taken of each local loss and the gradients are then averaged: under
+    `shard_parallel` (pmap semantics) grad of an averaged loss would be local.
     """
-    grads, info = jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value)
-    flat_grads, unravel = ravel_pytree(grads)
-    grads = unravel(pmean_over_shards(flat_grads))
-    return grads, info.replace(grad_norm=optax.tree.norm(grads))
+    grads, infos = shards.map(
+        lambda minibatch: jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value),
+        minibatches,
+    )
+    grads = shards.mean(grads)
+    return grads, infos.replace(grad_norm=jnp.broadcast_to(optax.tree.norm(grads), infos.grad_norm.shape))
 
 
 def take_samples(batch: Batch, index: jax.Array) -> Batch:
@@ -276,16 +291,18 @@ def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
     return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
 
 
-def sequence_advantages(advantages: jax.Array, env_indices: jax.Array, normalize: bool) -> jax.Array:
-    """Each sequence minibatch's advantages [E, M, T, n] from `advantages` [T, B], normalised
-    over the global minibatch if asked (as for flat minibatches)."""
-    num_steps, num_envs = advantages.shape
-    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [E, M, T, n]
-    flat_advantages = advantages.reshape(-1)
+def sequence_advantages(
+    advantages: jax.Array, env_indices: jax.Array, normalize: bool, shards: DeviceShards
+) -> jax.Array:
+    """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
+    `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
+    num_local, num_steps, num_envs = advantages.shape
+    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
+    flat_advantages = advantages.reshape(num_local, -1)
     if not normalize:
-        return flat_advantages[flat_indices]
-    per_minibatch = flat_indices.reshape(flat_indices.shape[:2] + (-1,))
-    return normalize_minibatch_advantages(flat_advantages, per_minibatch).reshape(flat_indices.shape)
+        return shards.map(lambda shard, index: shard[index], flat_advantages, flat_indices)
+    per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
+    return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
 
 
 def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
@@ -298,42 +315,49 @@ def run_epochs(
     params: Any,
     opt_state: Any,
     batch: Batch,
-    key: jax.Array,
+    keys: jax.Array,
     apply_fn: Callable,
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
 ) -> tuple[Any, Any, LossInfo]:
-    """`num_epochs` passes of minibatch SGD over `batch`; returns this shard's mean loss info.
+    """`num_epochs` passes of minibatch SGD over the device's shards' `batch` (leaves
+    [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's mean loss info [L].
 
     Feed-forward minibatches are random samples; recurrent ones are random whole
     environment sequences (truncated BPTT over the rollout).
     """
+    shards = settings.shards
     if settings.recurrent:
-        indices = sequence_indices(key, settings)
-        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages)
+        indices = shards.map(lambda key: sequence_indices(key, settings), keys)
+        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
         take = take_sequences
     else:
-        indices = minibatch_indices(key, settings)
+        indices = shards.map(lambda key: minibatch_indices(key, settings), keys)
         if settings.normalize_advantages:
-            advantages = normalize_minibatch_advantages(batch.advantage, indices)
+            advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
         else:
-            advantages = batch.advantage[indices]
+            advantages = shards.map(lambda shard, index: shard[index], batch.advantage, indices)
         take = take_samples
     optimizer = make_optimizer(hyperparams, settings)
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         params, opt_state = carry
-        index, advantage = xs
-        minibatch = take(batch, index).replace(advantage=advantage)
-        grads, info = shard_gradients(params, minibatch, apply_fn, hyperparams, settings.clip_value)
+        # Gathered batched: moving data computes nothing, so batching cannot change its bits.
+        minibatches = jax.vmap(lambda shard, index, advantage: take(shard, index).replace(advantage=advantage))(
+            batch, *xs
+        )
+        grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), info
+        return (optax.apply_updates(params, updates), opt_state), infos
 
     def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         return jax.lax.scan(minibatch_step, carry, xs)
 
-    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), (indices, advantages))
-    return params, opt_state, jax.tree.map(jnp.mean, infos)
+    # Scanned over epochs, then minibatches: the shard axis goes inside both.
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), (indices, advantages))
+    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), xs)
+    per_shard_infos = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)  # [L, E, M]
+    return params, opt_state, shards.map(lambda shard: jax.tree.map(jnp.mean, shard), per_shard_infos)
 
 
 def merge_time_and_batch(tree: Any) -> Any:
@@ -377,24 +401,29 @@ def loss_apply_fn(network: ActorCritic) -> Callable[[Any, Any], tuple[Any, jax.A
 
 @struct.dataclass
 class ScaledRewards:
-    rewards: jax.Array  # [T, B]
-    discounted_return: jax.Array  # [B] carried to the next rollout
+    rewards: jax.Array  # [L, T, B]
+    discounted_return: jax.Array  # [L, B] carried to the next rollout
     moments: RunningMoments
 
 
 def scale_rollout_rewards(
-    transitions: Transition, discounted_return: jax.Array, moments: RunningMoments, gamma: jax.Array
+    transitions: Transition, discounted_return: jax.Array, moments: RunningMoments, gamma: jax.Array,
+    shards: DeviceShards,
 ) -> ScaledRewards:
-    """Rewards divided by the running std of the discounted return, updated with every shard's rollout."""
+    """Rewards divided by the running std of the discounted return, updated with every shard's
+    rollout; `transitions` and `discounted_return` [L, B] are the device's shards'."""
     dones = transitions.terminated | transitions.truncated
-    discounted_return, returns = discounted_returns(discounted_return, transitions.reward, dones, gamma)
-    moments = update_moments(moments, returns.reshape(-1))
-    return ScaledRewards(scale(moments, transitions.reward), discounted_return, moments)
+    discounted_return, returns = shards.map(
+        lambda running, reward, done: discounted_returns(running, reward, done, gamma),
+        discounted_return, transitions.reward, dones,
+    )
+    moments = update_moments(moments, returns.reshape(returns.shape[0], -1), shards)
+    return ScaledRewards(shards.map(lambda reward: scale(moments, reward), transitions.reward), discounted_return, moments)
 
 
 @struct.dataclass
 class _ShardTotals:
-    """Per-shard statistics averaged over shards in one all-reduce at the end of an update."""
+    """Per-shard statistics averaged over shards in one reduction at the end of an update."""
 
     info: LossInfo
     target_moments: jax.Array  # [2]: E[t], E[t^2] of the value targets
@@ -413,46 +442,62 @@ def _moments(x: jax.Array) -> jax.Array:
 def make_update(
     env: BatchedEnv, network: ActorCritic, settings: UpdateSettings
 ) -> Callable[[TrainState, PPOHyperparams], tuple[TrainState, UpdateMetrics]]:
-    """The per-shard PPO update: rollout, GAE, epochs x minibatches of SGD."""
+    """The per-device PPO update of the device's shards (`TrainState` leaves
+    [shards_per_device, ...]; one member's `PPOHyperparams`): rollout, GAE, epochs x
+    minibatches of SGD. The metrics are the same on every device, without a shard axis."""
+    shards = settings.shards
 
     def update(state: TrainState, hyperparams: PPOHyperparams) -> tuple[TrainState, UpdateMetrics]:
-        key_rollout, key_epochs = jax.random.split(jax.random.fold_in(state.key, state.update_index))
+        params, opt_state = one_copy(state.params), one_copy(state.opt_state)
+        obs_moments, return_moments = one_copy(state.obs_moments), one_copy(state.return_moments)
+        update_index = one_copy(state.update_index)
+        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, update_index)))(state.key)
+        key_rollout, key_epochs = keys[:, 0], keys[:, 1]
 
         def policy(params: Any, carry: Any, obs: Any, episode_start: Any) -> tuple[Any, Any, jax.Array]:
-            return policy_step(network, params, state.obs_moments, carry, obs, episode_start)
+            return policy_step(network, params, obs_moments, carry, obs, episode_start)
 
-        rollout, transitions, episode_stats = collect_rollout(
-            env, policy, state.params, state.rollout, key_rollout, settings.num_steps, settings.critic_after_steps
+        rollout, transitions, episode_stats = shards.map(
+            lambda shard_rollout, key: collect_rollout(
+                env, policy, params, shard_rollout, key, settings.num_steps, settings.critic_after_steps
+            ),
+            state.rollout, key_rollout,
         )
-        rewards, return_moments = transitions.reward, state.return_moments
+        rewards = transitions.reward
         if settings.scale_rewards:
-            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, hyperparams.gamma)
+            scaled = scale_rollout_rewards(
+                transitions, rollout.discounted_return, return_moments, hyperparams.gamma, shards
+            )
             rewards, return_moments = scaled.rewards, scaled.moments
             rollout = rollout.replace(discounted_return=scaled.discounted_return)
-        advantages = gae(
-            rewards, transitions.value, transitions.next_value,
-            transitions.terminated, transitions.truncated,
-            hyperparams.gamma, hyperparams.gae_lambda,
+        advantages = shards.map(
+            lambda reward, shard: gae(
+                reward, shard.value, shard.next_value, shard.terminated, shard.truncated,
+                hyperparams.gamma, hyperparams.gae_lambda,
+            ),
+            rewards, transitions,
         )
         # The batch sees observations normalised as when they were acted on, so the
         # first epoch's ratios start at 1; the statistics then take in this rollout.
-        obs = prepare_observations(state.obs_moments, transitions.obs)
+        obs = shards.map(lambda shard_obs: prepare_observations(obs_moments, shard_obs), transitions.obs)
         if settings.recurrent:
-            batch = sequence_batch(transitions, advantages, obs, state.rollout.carry)
+            batch = shards.map(sequence_batch, transitions, advantages, obs, state.rollout.carry)
         else:
-            batch = flatten_rollout(transitions, advantages, obs)
-        obs_moments = state.obs_moments
+            batch = shards.map(flatten_rollout, transitions, advantages, obs)
         if settings.normalize_observations:
-            obs_moments = update_moments(obs_moments, merge_time_and_batch(transitions.obs))
+            obs_moments = update_moments(obs_moments, shards.map(merge_time_and_batch, transitions.obs), shards)
         params, opt_state, info = run_epochs(
-            state.params, state.opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
+            params, opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
         # Means over shards of per-shard means are global means: every shard has equally many samples.
-        totals = pmean_over_shards(_ShardTotals(
-            info=info,
-            target_moments=_moments(batch.target),
-            residual_moments=_moments(batch.target - batch.value),
-            episodes=episode_stats,
+        totals = shards.mean(shards.map(
+            lambda shard_info, shard_batch, shard_episodes: _ShardTotals(
+                info=shard_info,
+                target_moments=_moments(shard_batch.target),
+                residual_moments=_moments(shard_batch.target - shard_batch.value),
+                episodes=shard_episodes,
+            ),
+            info, batch, episode_stats,
         ))
         episodes = totals.episodes
         nan_if_none = jnp.where(episodes.count > 0, 1.0, jnp.nan)
@@ -460,16 +505,16 @@ def make_update(
         metrics = UpdateMetrics(
             **vars(totals.info),
             explained_variance=1.0 - _variance(totals.residual_moments) / (_variance(totals.target_moments) + 1e-8),
-            learning_rate=learning_rate_at(
-                state.update_index * settings.sgd_steps_per_update, hyperparams, settings
-            ),
+            learning_rate=learning_rate_at(update_index * settings.sgd_steps_per_update, hyperparams, settings),
             episode_return_mean=episodes.return_sum / count * nan_if_none,
             episode_length_mean=episodes.length_sum / count * nan_if_none,
             episodes_completed=jnp.round(episodes.count * settings.num_shards),
         )
+        num_local = state.update_index.shape[0]
         new_state = state.replace(
-            params=params, opt_state=opt_state, rollout=rollout, update_index=state.update_index + 1,
-            obs_moments=obs_moments, return_moments=return_moments,
+            params=copies(params, num_local), opt_state=copies(opt_state, num_local), rollout=rollout,
+            update_index=state.update_index + 1, obs_moments=copies(obs_moments, num_local),
+            return_moments=copies(return_moments, num_local),
         )
         return new_state, metrics
 

@@ -145,7 +145,8 @@ class Experiment:
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
 
-        return sharding.shard_parallel(init_shard, self.mesh, batch_members=self.batch_members)
+        return sharding.shard_parallel(sharding.per_shard(init_shard, sharding.DeviceShards(exact=False)), self.mesh,
+                                      batch_members=self.batch_members)
 
     def shard_inputs(self) -> ShardInputs:
         num_shards = self.topology.num_shards
@@ -178,8 +179,10 @@ class Experiment:
 
         def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                   ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            state, metrics = run_updates(update, shard.hyperparams, state, num_updates, capacity)
-            return state, metrics, all_finite(state.params)
+            hyperparams = sharding.one_copy(shard.hyperparams)
+            state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
+            num_local = shard.shard_index.shape[0]
+            return state, sharding.copies(metrics, num_local), sharding.copies(all_finite(state.params), num_local)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
                                       batch_members=self.batch_members)
@@ -192,11 +195,13 @@ class Experiment:
         config, topology = self.config, self.topology
 
         def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
-            eval_root = jax.random.fold_in(jax.random.key(shard.seed), 3)
-            return evaluate_on_shards(
+            params, obs_moments, update_index, seed = sharding.one_copy((params, obs_moments, update_index, shard.seed))
+            eval_root = jax.random.fold_in(jax.random.key(seed), 3)
+            stats = evaluate_on_shards(
                 self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
-                config.eval.num_episodes, topology.num_shards, obs_moments,
+                config.eval.num_episodes, topology.num_shards, self.settings.shards, obs_moments,
             )
+            return sharding.copies(stats, shard.shard_index.shape[0])
 
         return sharding.shard_parallel(evaluate, self.mesh, batch_members=self.batch_members)
 

@@ -480,13 +480,14 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter():
     key = jax.random.key(3)
     jparams = jax.tree.map(jnp.asarray, params)
 
-    def per_shard(batch):
+    def per_device(batch):
         opt_state = optimizer_state(jparams, hp, settings)
-        return run_epochs(jparams, opt_state, batch, key, sample_indexed_apply, hp, settings)
+        new_params, opt_state, info = run_epochs(jparams, opt_state, batch, key[None], sample_indexed_apply, hp, settings)
+        return sharding.copies((new_params, opt_state), 1) + (info,)
 
     batch = Batch(**{name: jnp.asarray(value)[None] for name, value in batch_np.items()})
     mesh = sharding.make_mesh(jax.devices()[:1])
-    new_params, _, info = sharding.first_shard(sharding.shard_parallel(per_shard, mesh)(batch))
+    new_params, _, info = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batch))
 
     minibatches = np.asarray(minibatch_indices(key, settings)).reshape(4, 4)
     expected, norms = clipped_adam_reference(params, batch_np, minibatches, learning_rate, max_grad_norm, adam_eps)

@@ -60,29 +60,39 @@ def rollouts_with_statistics(num_devices: int):
     network = make_actor_critic(NetworkConfig(hidden_sizes=(8,)), env.spec)
     mesh = sharding.make_mesh(jax.devices()[:num_devices])
 
-    def per_shard(shard_index):
-        key = jax.random.fold_in(jax.random.key(7), shard_index)
-        obs, env_state = env.reset(key, NUM_ENVS)
-        params = network.init(jax.random.key(0), obs)
-        rollout = RolloutState(env_state, obs, discounted_return=jnp.zeros((NUM_ENVS,)))
+    shards = sharding.DeviceShards()
+
+    def per_device(shard_index):
+        num_local = shard_index.shape[0]
+
+        def start(index):
+            key = jax.random.fold_in(jax.random.key(7), index)
+            obs, env_state = env.reset(key, NUM_ENVS)
+            return key, RolloutState(env_state, obs, discounted_return=jnp.zeros((NUM_ENVS,)))
+
+        keys, rollout = jax.vmap(start)(shard_index)
+        params = network.init(jax.random.key(0), sharding.one_copy(rollout.obs))
         obs_moments, return_moments = init_moments(env.spec.obs_shape), init_moments(())
         observations, rewards, dones = [], [], []
         for index in range(NUM_ROLLOUTS):
             policy = lambda p, c, o, s, m=obs_moments: policy_step(network, p, m, c, o, s)
-            rollout, transitions, _ = collect_rollout(
-                env, policy, params, rollout, jax.random.fold_in(key, index + 1), NUM_STEPS
+            rollout, transitions, _ = shards.map(
+                lambda shard, key: collect_rollout(env, policy, params, shard, jax.random.fold_in(key, index + 1),
+                                                   NUM_STEPS),
+                rollout, keys,
             )
-            obs_moments = update_moments(obs_moments, transitions.obs.reshape(-1, *env.spec.obs_shape))
-            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, GAMMA)
+            obs_moments = update_moments(obs_moments, transitions.obs.reshape(num_local, -1, *env.spec.obs_shape),
+                                         shards)
+            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, GAMMA, shards)
             rollout, return_moments = rollout.replace(discounted_return=scaled.discounted_return), scaled.moments
             observations.append(transitions.obs)
             rewards.append(transitions.reward)
             dones.append(transitions.terminated | transitions.truncated)
-        data = tuple(jnp.concatenate(x) for x in (observations, rewards, dones))
-        return obs_moments, return_moments, scaled.rewards, data
+        data = tuple(jnp.concatenate(x, axis=1) for x in (observations, rewards, dones))
+        return sharding.copies((obs_moments, return_moments), num_local) + (scaled.rewards, data)
 
     indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
-    return sharding.all_shards(sharding.shard_parallel(per_shard, mesh)(indices))
+    return sharding.all_shards(sharding.shard_parallel(per_device, mesh)(indices))
 
 
 @pytest.fixture(scope="module")
@@ -144,14 +154,14 @@ def test_large_mean_does_not_cancel_the_variance():
     batches = [(1000.0 + 0.01 * rng.normal(size=(256, 1))).astype(np.float32) for _ in range(3)]
     mesh = sharding.make_mesh(jax.devices()[:2])
 
-    def per_shard(samples):
+    def per_device(samples):
         moments = init_moments((1,))
         for index in range(len(batches)):
-            moments = update_moments(moments, samples[index])
-        return moments
+            moments = update_moments(moments, samples[:, index], sharding.DeviceShards())
+        return sharding.copies(moments, samples.shape[0])
 
     split = jnp.asarray(np.stack(batches).reshape(3, 2, 128, 1).transpose(1, 0, 2, 3))  # [S, R, N, 1]
-    moments = sharding.first_shard(sharding.shard_parallel(per_shard, mesh)(split))
+    moments = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))
     _, mean, variance = numpy_moments(np.concatenate(batches))
     naive = np.mean(np.square(np.concatenate(batches)), axis=0, dtype=np.float32) - np.float32(mean) ** 2
     assert abs(naive[0] - variance[0]) > 0.5 * variance[0], "the reference for the naive formula"

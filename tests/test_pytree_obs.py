@@ -153,13 +153,13 @@ def test_observation_moments_are_per_leaf_and_leave_the_mask_alone():
                 "action_mask": rng.random((2, 6, NUM_ACTIONS)) < 0.5} for _ in range(2)]
     mesh = sharding.make_mesh(jax.devices()[:2])
 
-    def per_shard(samples):
+    def per_device(samples):
         moments = init_observation_moments(spec)
         for batch in samples:
-            moments = update_moments(moments, batch)
-        return moments, normalize(moments, samples[-1])
+            moments = update_moments(moments, batch, sharding.DeviceShards())
+        return sharding.copies(moments, 1), normalize(moments, samples[-1])
 
-    moments, normalised = sharding.first_shard(sharding.shard_parallel(per_shard, mesh)(batches))
+    moments, normalised = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batches))
     assert moments.mean["action_mask"] is None and moments.m2["action_mask"] is None
     assert float(moments.count) == 24
     for name in ("image", "vector"):

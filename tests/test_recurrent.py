@@ -31,7 +31,7 @@ from jaxddppo.ppo import (
     loss_apply_fn,
     sequence_advantages,
     sequence_indices,
-    shard_gradients,
+    mean_gradients,
     take_sequences,
 )
 from jaxddppo.rollout import RolloutState, collect_rollout
@@ -158,7 +158,9 @@ def test_sequence_minibatches_keep_each_environments_steps_in_order():
         np.testing.assert_array_equal(minibatch.obs.obs[..., 0], expected)
         np.testing.assert_array_equal(minibatch.obs.episode_start, expected % 7 == 0)
         np.testing.assert_array_equal(minibatch.obs.carry[0][:, 0], env_index)
-    raw = np.asarray(sequence_advantages(jnp.asarray(code), jnp.asarray(indices), normalize=False))
+    raw = np.asarray(sharding.shard_parallel(
+        lambda adv, idx: sequence_advantages(adv, idx, False, sharding.DeviceShards()), sharding.make_mesh(jax.devices()[:1])
+    )(jnp.asarray(code)[None], jnp.asarray(indices)[None]))[0]
     assert raw.shape == (3, 2, num_steps, 3)
     np.testing.assert_array_equal(raw, np.moveaxis(code[:, indices], 0, 2))
 
@@ -171,7 +173,7 @@ def test_sequence_advantages_normalised_over_the_global_minibatch():
     indices = np.asarray([[[2, 0], [3, 1]]])  # [E=1, M=2, n=2]
     mesh = sharding.make_mesh(jax.devices()[:2])
     normalised = sharding.all_shards(sharding.shard_parallel(
-        lambda adv, idx: sequence_advantages(adv, idx, normalize=True), mesh
+        lambda adv, idx: sequence_advantages(adv, idx, True, sharding.DeviceShards()), mesh
     )(jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (2,) + indices.shape)))
     for m in range(2):
         gathered = advantages.astype(np.float64)[:, :, indices[0, m]]  # [S, T, n]
@@ -195,10 +197,11 @@ def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollou
 
     def gradients(num_shards: int):
         mesh = sharding.make_mesh(jax.devices()[:num_shards])
-        per_shard = lambda b: shard_gradients(params, b, loss_apply_fn(network), hyperparams, True)[0]
+        per_device = lambda b: sharding.copies(mean_gradients(
+            params, b, loss_apply_fn(network), hyperparams, True, sharding.DeviceShards())[0], 1)
         envs = jnp.arange(4).reshape(num_shards, -1)
         split = jax.tree.map(lambda *x: jnp.stack(x), *[take_sequences(batch, e) for e in envs])
-        return sharding.first_shard(sharding.shard_parallel(per_shard, mesh)(split))
+        return sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))
 
     single, sharded = gradients(1), gradients(2)
     a, b = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]) for g in (sharded, single))
