@@ -123,8 +123,11 @@ def evaluate_on_shards(
     returns, lengths, valid = shards.map(shard_episodes, shard_index)
     # Sums over every shard's episodes; the variance is a second pass around the mean, so nothing cancels.
     return_sum, length_sum = shards.sum(shards.map(
-        lambda r, l, v: (jnp.sum(v * r), jnp.sum(v * l)), returns, lengths, valid
+        lambda shard_returns, shard_lengths, mask: (jnp.sum(mask * shard_returns), jnp.sum(mask * shard_lengths)),
+        returns, lengths, valid,
     ))
     return_mean, length_mean = return_sum / num_episodes, length_sum / num_episodes
-    squares = shards.sum(shards.map(lambda r, v: jnp.sum(v * jnp.square(r - return_mean)), returns, valid))
+    squares = shards.sum(shards.map(
+        lambda shard_returns, mask: jnp.sum(mask * jnp.square(shard_returns - return_mean)), returns, valid
+    ))
     return EvalStats(return_mean=return_mean, return_std=jnp.sqrt(squares / num_episodes), length_mean=length_mean)

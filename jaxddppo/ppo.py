@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.flatten_util import ravel_pytree
 
 from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, PPOConfig

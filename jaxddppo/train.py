@@ -145,6 +145,8 @@ class Experiment:
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
 
+        # Batched even with exact reductions: the shards' initial states are keys and elementwise
+        # draws, which batching leaves alone (tests/test_sharding.py compares them on 1, 2, 4 devices).
         return sharding.shard_parallel(sharding.per_shard(init_shard, sharding.DeviceShards(exact=False)), self.mesh,
                                       batch_members=self.batch_members)
 
