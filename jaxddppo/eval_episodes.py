@@ -112,20 +112,18 @@ def evaluate_on_shards(
     """
     count = episodes_per_shard(num_episodes, num_shards)
 
-    def shard_episodes(index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def shard_episodes(index: jax.Array) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array]]:
         indices = index * count + jnp.arange(count)
         results = jax.vmap(
             lambda i: evaluate_policy(env, network, params, jax.random.fold_in(key, i), 1, obs_moments)
         )(indices)
-        valid = (indices < num_episodes).astype(jnp.float32)
-        return results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32), valid
+        mask = (indices < num_episodes).astype(jnp.float32)
+        returns, lengths = results.returns[:, 0], results.lengths[:, 0].astype(jnp.float32)
+        return returns, mask, (jnp.sum(mask * returns), jnp.sum(mask * lengths))
 
-    returns, lengths, valid = shards.map(shard_episodes, shard_index)
+    returns, valid, sums = shards.map(shard_episodes, shard_index)
     # Sums over every shard's episodes; the variance is a second pass around the mean, so nothing cancels.
-    return_sum, length_sum = shards.sum(shards.map(
-        lambda shard_returns, shard_lengths, mask: (jnp.sum(mask * shard_returns), jnp.sum(mask * shard_lengths)),
-        returns, lengths, valid,
-    ))
+    return_sum, length_sum = shards.sum(sums)
     return_mean, length_mean = return_sum / num_episodes, length_sum / num_episodes
     squares = shards.sum(shards.map(
         lambda shard_returns, mask: jnp.sum(mask * jnp.square(shard_returns - return_mean)), returns, valid

@@ -234,12 +234,12 @@ def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, sh
     E[x^2] - E[x]^2 does not cancel.
     """
     shift = shards.mean(shards.map(jnp.mean, advantages))
-    centered = shards.map(lambda shard, index: shard[index] - shift, advantages, indices)
+    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
     mean, mean_square = shards.mean(shards.map(
         lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
     ))
     std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
-    return shards.map(lambda shard: (shard - mean[..., None]) / (std[..., None] + 1e-8), centered)
+    return shards.map_batched(lambda shard: (shard - mean[..., None]) / (std[..., None] + 1e-8), centered)
 
 
 def mean_gradients(
@@ -299,7 +299,7 @@ def sequence_advantages(
     flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
     flat_advantages = advantages.reshape(num_local, -1)
     if not normalize:
-        return shards.map(lambda shard, index: shard[index], flat_advantages, flat_indices)
+        return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
     per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
     return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
 
@@ -320,22 +320,23 @@ def run_epochs(
     settings: UpdateSettings,
 ) -> tuple[Any, Any, LossInfo]:
     """`num_epochs` passes of minibatch SGD over the device's shards' `batch` (leaves
-    [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's mean loss info [L].
+    [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's loss info of every
+    SGD step [L, E, M].
 
     Feed-forward minibatches are random samples; recurrent ones are random whole
     environment sequences (truncated BPTT over the rollout).
     """
     shards = settings.shards
     if settings.recurrent:
-        indices = shards.map(lambda key: sequence_indices(key, settings), keys)
+        indices = shards.map_batched(lambda key: sequence_indices(key, settings), keys)
         advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
         take = take_sequences
     else:
-        indices = shards.map(lambda key: minibatch_indices(key, settings), keys)
+        indices = shards.map_batched(lambda key: minibatch_indices(key, settings), keys)
         if settings.normalize_advantages:
             advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
         else:
-            advantages = shards.map(lambda shard, index: shard[index], batch.advantage, indices)
+            advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
         take = take_samples
     optimizer = make_optimizer(hyperparams, settings)
 
@@ -355,8 +356,7 @@ def run_epochs(
     # Scanned over epochs, then minibatches: the shard axis goes inside both.
     xs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), (indices, advantages))
     (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), xs)
-    per_shard_infos = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)  # [L, E, M]
-    return params, opt_state, shards.map(lambda shard: jax.tree.map(jnp.mean, shard), per_shard_infos)
+    return params, opt_state, jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)
 
 
 def merge_time_and_batch(tree: Any) -> Any:
@@ -412,12 +412,13 @@ def scale_rollout_rewards(
     """Rewards divided by the running std of the discounted return, updated with every shard's
     rollout; `transitions` and `discounted_return` [L, B] are the device's shards'."""
     dones = transitions.terminated | transitions.truncated
-    discounted_return, returns = shards.map(
+    discounted_return, returns = shards.map_batched(
         lambda running, reward, done: discounted_returns(running, reward, done, gamma),
         discounted_return, transitions.reward, dones,
     )
     moments = update_moments(moments, returns.reshape(returns.shape[0], -1), shards)
-    return ScaledRewards(shards.map(lambda reward: scale(moments, reward), transitions.reward), discounted_return, moments)
+    rewards = shards.map_batched(lambda reward: scale(moments, reward), transitions.reward)
+    return ScaledRewards(rewards, discounted_return, moments)
 
 
 @struct.dataclass
@@ -469,7 +470,7 @@ def make_update(
             )
             rewards, return_moments = scaled.rewards, scaled.moments
             rollout = rollout.replace(discounted_return=scaled.discounted_return)
-        advantages = shards.map(
+        advantages = shards.map_batched(
             lambda reward, shard: gae(
                 reward, shard.value, shard.next_value, shard.terminated, shard.truncated,
                 hyperparams.gamma, hyperparams.gae_lambda,
@@ -478,20 +479,22 @@ def make_update(
         )
         # The batch sees observations normalised as when they were acted on, so the
         # first epoch's ratios start at 1; the statistics then take in this rollout.
-        obs = shards.map(lambda shard_obs: prepare_observations(obs_moments, shard_obs), transitions.obs)
+        obs = shards.map_batched(lambda shard_obs: prepare_observations(obs_moments, shard_obs), transitions.obs)
         if settings.recurrent:
-            batch = shards.map(sequence_batch, transitions, advantages, obs, state.rollout.carry)
+            batch = shards.map_batched(sequence_batch, transitions, advantages, obs, state.rollout.carry)
         else:
-            batch = shards.map(flatten_rollout, transitions, advantages, obs)
+            batch = shards.map_batched(flatten_rollout, transitions, advantages, obs)
         if settings.normalize_observations:
-            obs_moments = update_moments(obs_moments, shards.map(merge_time_and_batch, transitions.obs), shards)
+            obs_moments = update_moments(
+                obs_moments, shards.map_batched(merge_time_and_batch, transitions.obs), shards
+            )
         params, opt_state, info = run_epochs(
             params, opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
         # Means over shards of per-shard means are global means: every shard has equally many samples.
         totals = shards.mean(shards.map(
             lambda shard_info, shard_batch, shard_episodes: _ShardTotals(
-                info=shard_info,
+                info=jax.tree.map(jnp.mean, shard_info),
                 target_moments=_moments(shard_batch.target),
                 residual_moments=_moments(shard_batch.target - shard_batch.value),
                 episodes=shard_episodes,
