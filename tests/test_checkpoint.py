@@ -86,14 +86,19 @@ def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
     assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(one_go.run_dir)))
 
 
-def test_elastic_resume_on_fewer_devices_matches_within_tolerance(one_go, tmp_path):
+def test_elastic_resume_on_fewer_devices_is_bit_identical_to_one_go(one_go, tmp_path):
+    """Stopped on 4 devices, resumed on 2 (the same 4 shards, two per device, in turn):
+    train.exact_reductions makes the resumed run end where the run done in one go on 4
+    devices ends, bit for bit. (Not 1 device: with env.normalize_observations it is the one
+    known exception, docs/algorithm.md.)"""
     run_dir = tmp_path / "run"
     run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
     resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:2], resume=True)
     assert resumed.summary["num_devices"] == 2 and resumed.summary["num_shards"] == 4
-    for got, want in zip(host_leaves(resumed.state.params), host_leaves(one_go.state.params), strict=True):
-        assert np.linalg.norm(got - want) <= 1e-5 * max(np.linalg.norm(want), 1e-12)
-    np.testing.assert_allclose(resumed.summary["params_digest"], one_go.summary["params_digest"], rtol=1e-5)
+    for got, want in zip(host_leaves(resumed.state), host_leaves(one_go.state), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
+    assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(one_go.run_dir)))
 
 
 def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):

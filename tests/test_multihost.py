@@ -72,12 +72,12 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     multi_evals = eval_rows(tmp_path / "multi")
     assert [update for update, *_ in multi_evals] == [4, 8]
 
-    # One process on as many devices (test_sharding shows that fewer devices learn the same).
+    # One process on one device, its 4 shards in turn: the same bits (train.exact_reductions).
     config = load_config(SMALL_RUN[1], SMALL_RUN[2:] + PERIODIC_EVAL)
-    single = run(replace(config, run=replace(config.run, dir=str(tmp_path / "single"))), devices=jax.devices()[:4])
-    np.testing.assert_allclose(summary["params_digest"], single.summary["params_digest"], rtol=1e-5)
-    assert summary["eval_return_mean"] == pytest.approx(single.summary["eval_return_mean"])
-    np.testing.assert_allclose(eval_rows(Path(single.run_dir)), multi_evals, rtol=1e-5)
+    single = run(replace(config, run=replace(config.run, dir=str(tmp_path / "single"))), devices=jax.devices()[:1])
+    assert summary["params_digest"] == single.summary["params_digest"]
+    assert summary["eval_return_mean"] == single.summary["eval_return_mean"]
+    assert eval_rows(Path(single.run_dir)) == multi_evals
 
 
 def test_unreachable_coordinator_is_one_line_within_the_timeout(tmp_path):
