@@ -24,6 +24,8 @@ from jaxddppo.sharding import DeviceShards
 
 OBS_CLIP = 10.0  # normalised observations are clipped to [-OBS_CLIP, OBS_CLIP]
 _VARIANCE_EPS = 1e-8
+# Both scale by an explicit rsqrt: XLA turns x / sqrt(v) into x * rsqrt(v) only where the sqrt
+# has one user, so a division would compute other bits depending on the program around it.
 
 
 @struct.dataclass
@@ -104,14 +106,14 @@ def normalize(moments: RunningMoments, x: Any) -> Any:
     def standardise(leaf: jax.Array, mean: Any, variance: Any) -> jax.Array:
         if mean is None:
             return leaf
-        return jnp.clip((leaf - mean) / jnp.sqrt(variance + _VARIANCE_EPS), -OBS_CLIP, OBS_CLIP)
+        return jnp.clip((leaf - mean) * jax.lax.rsqrt(variance + _VARIANCE_EPS), -OBS_CLIP, OBS_CLIP)
 
     return jax.tree.map(standardise, x, moments.mean, moments.variance)
 
 
 def scale(moments: RunningMoments, x: jax.Array) -> jax.Array:
     """`x` divided by the running standard deviation (no centring: rewards keep their sign)."""
-    return x / jnp.sqrt(moments.variance + _VARIANCE_EPS)
+    return x * jax.lax.rsqrt(moments.variance + _VARIANCE_EPS)
 
 
 def discounted_returns(

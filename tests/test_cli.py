@@ -345,6 +345,7 @@ def test_overrides_beat_the_config_file(real_runs: RealRuns):
     assert summary["total_env_steps"] == 1024
 
 
+@pytest.mark.slow  # about 30 s end to end; the device-count decision's unit tests run in CI
 def test_external_device_count_is_honoured_and_used_by_default(tmp_path):
     """XLA_FLAGS set by the user decides the devices; num_shards defaults to all of them."""
     (tmp_path / "run.yaml").write_text(MAIN_YAML)

@@ -112,6 +112,7 @@ def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_
     assert not np.array_equal(members[-1][1], members[-1][0])
 
 
+@pytest.mark.slow  # about 45 s per family; the sweep-member smoke above runs each installed family in CI
 @pytest.mark.parametrize("family", sorted(SMOKE_IDS))
 def test_a_normalising_run_evaluates_and_its_policy_loads_and_acts_legally(family, tmp_path):
     if not installed(family):

@@ -10,7 +10,10 @@ from nbclient import NotebookClient
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 
-@pytest.mark.parametrize("name, steps", [("quickstart.ipynb", 4096), ("sweep.ipynb", 1024)])
+@pytest.mark.parametrize("name, steps", [
+    ("quickstart.ipynb", 4096),
+    pytest.param("sweep.ipynb", 1024, marks=pytest.mark.slow),  # about 60 s; test_sweep.py covers its API
+])
 def test_notebook_executes(tmp_path, monkeypatch, name, steps):
     # The kernel inherits this environment: the simulated CPU devices of conftest.py, and the budget.
     monkeypatch.setenv("JAXDDPPO_NOTEBOOK_STEPS", str(steps))

@@ -241,6 +241,7 @@ def test_a_dict_observation_state_checkpoints_and_evaluates(trained_on_one_and_t
     assert np.all(np.asarray(evaluation.lengths) >= 1)
 
 
+@pytest.mark.slow  # about 35 s; dict observations train in CI, recurrent policies in test_recurrent.py
 def test_a_recurrent_policy_trains_on_dict_observations():
     experiment = walk_experiment(1, recurrent="gru", recurrent_size=8, torso="mlp", shared_torso=True)
     initial, state = learn(experiment)

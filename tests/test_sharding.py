@@ -154,7 +154,7 @@ def learnt_on(config, num_devices: int):
 
 
 @pytest.mark.parametrize("yaml_name,overrides", [
-    ("pendulum.yaml", {"env.scale_rewards": True}),
+    ("pendulum.yaml", {"env.scale_rewards": True, "env.normalize_observations": True}),
     pytest.param("memory_chain.yaml", {}, marks=pytest.mark.slow),
 ])
 def test_continuous_and_recurrent_runs_are_bit_identical_on_one_and_four_devices(yaml_name, overrides):

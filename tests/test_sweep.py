@@ -379,6 +379,7 @@ def test_sweep_stop_and_resume_is_bit_identical_to_one_go(sweep_result, tmp_path
     assert without_wall_time(metric_rows(run_dir)) == without_wall_time(metric_rows(Path(sweep_result.run_dir)))
 
 
+@pytest.mark.slow  # about 55 s; a run's non-finite stop is tested in CI (test_checkpoint.py)
 def test_non_finite_member_stops_the_sweep_naming_it(tmp_path, monkeypatch):
     learn_fn = Experiment.learn_fn
 
@@ -400,6 +401,7 @@ def test_non_finite_member_stops_the_sweep_naming_it(tmp_path, monkeypatch):
     assert [(row["member"], row["update"]) for row in rows] == [(m, u) for m in (0, 1) for u in range(1, 9)]
 
 
+@pytest.mark.slow  # about 55 s; a run's periodic evaluation and TensorBoard are tested in CI (test_outputs.py)
 def test_periodic_evaluation_and_tensorboard_per_member(tmp_path):
     """Every member's rows carry its own periodic evaluation, the one its single run logs;
     TensorBoard events go to one directory per member."""
