@@ -342,9 +342,8 @@ def run_epochs(
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
         params, opt_state = carry
-        # Gathered batched: moving data computes nothing, so batching cannot change its bits.
-        minibatches = jax.vmap(lambda shard, index, advantage: take(shard, index).replace(advantage=advantage))(
-            batch, *xs
+        minibatches = shards.map_batched(
+            lambda shard, index, advantage: take(shard, index).replace(advantage=advantage), batch, *xs
         )
         grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -451,7 +450,7 @@ def make_update(
         params, opt_state = one_copy(state.params), one_copy(state.opt_state)
         obs_moments, return_moments = one_copy(state.obs_moments), one_copy(state.return_moments)
         update_index = one_copy(state.update_index)
-        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, update_index)))(state.key)
+        keys = shards.map_batched(lambda key: jax.random.split(jax.random.fold_in(key, update_index)), state.key)
         key_rollout, key_epochs = keys[:, 0], keys[:, 1]
 
         def policy(params: Any, carry: Any, obs: Any, episode_start: Any) -> tuple[Any, Any, jax.Array]:

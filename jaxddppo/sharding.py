@@ -289,10 +289,11 @@ def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, 
     return _jit_over_mesh(per_device, mesh, state_spec(mesh), donate_argnums, shared_argnums)
 
 
-def per_shard(function: Callable, shards: DeviceShards) -> Callable:
+def per_shard(function: Callable) -> Callable:
     """A per-device function (for `shard_parallel`) that runs `function` on each of the
-    device's shards; `function` must not reduce over shards."""
-    return functools.wraps(function)(lambda *args: shards.map(function, *args))
+    device's shards, batched (`DeviceShards.map_batched`: only for work whose bits batching
+    cannot change); `function` must not reduce over shards."""
+    return functools.wraps(function)(lambda *args: DeviceShards.map_batched(function, *args))
 
 
 def is_population(mesh: Mesh) -> bool:
@@ -650,7 +651,7 @@ def _bit_checksum(tree: Any) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _compiled_checksum(mesh: Mesh) -> Callable:
-    return shard_parallel(per_shard(_bit_checksum, DeviceShards()), mesh)
+    return shard_parallel(per_shard(_bit_checksum), mesh)
 
 
 def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:

@@ -145,10 +145,9 @@ class Experiment:
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
 
-        # Batched even with exact reductions: the shards' initial states are keys and elementwise
-        # draws, which batching leaves alone (tests/test_sharding.py compares them on 1, 2, 4 devices).
-        return sharding.shard_parallel(sharding.per_shard(init_shard, sharding.DeviceShards(exact=False)), self.mesh,
-                                      batch_members=self.batch_members)
+        # The shards' initial states are keys and elementwise draws, which batching leaves alone
+        # (tests/test_sharding.py compares them on 1, 2 and 4 devices).
+        return sharding.shard_parallel(sharding.per_shard(init_shard), self.mesh, batch_members=self.batch_members)
 
     def shard_inputs(self) -> ShardInputs:
         num_shards = self.topology.num_shards
