@@ -34,6 +34,8 @@ Suites:
   guard       this checkout against --baseline: the small config on 1 device (reported),
               the large config on 1 and on 2 devices and a sweep of 32 seeds of the small
               config on 2 devices (guarded: steps/s at least 0.95x, compile at most 1.1x)
+  reductions  the price of train.exact_reductions: the large config on 1 and on 2 devices,
+              exact (the default) against train.exact_reductions=false
 
 A trial's CPU thread count is XLA's CPU thread pool size, set through
 PJRT_NPROC for every contender (0: XLA's default, one thread per core); its
@@ -87,7 +89,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "small": SMALL_CONFIG,
     "large": {**SMALL_CONFIG, "num_envs": 2048, "total_env_steps": 2048 * 128 * 20},
 }
-SUITES = ("small", "large", "scaling", "population", "guard")
+SUITES = ("small", "large", "scaling", "population", "guard", "reductions")
 DEFAULT_SUITES = ("small", "large", "scaling", "population")
 CHECKOUTS = ("jaxddppo", "baseline")  # contenders that are checkouts of jaxddppo
 PEERS = ("rejax", "purejaxrl")
@@ -107,20 +109,22 @@ EXIT_TRIAL_FAILED, EXIT_BAD_ARGUMENTS, EXIT_GUARD_FAILED = 1, 2, 3
 @dataclass(frozen=True)
 class Trial:
     """One kind of measurement: a contender on a config, a device count, a number of seeds
-    (0: a single run; n >= 1: a population of n seeds) and a CPU thread pool size (0: XLA's
-    default)."""
+    (0: a single run; n >= 1: a population of n seeds), a CPU thread pool size (0: XLA's
+    default) and, for a jaxddppo checkout, its train.exact_reductions."""
 
     contender: str  # one of CHECKOUTS or PEERS
     config: str  # a key of CONFIGS
     devices: int = 1
     seeds: int = 0
     cpu_threads: int = 0
+    exact_reductions: bool = True
 
     @property
     def label(self) -> str:
         population = f", {self.seeds} seeds" if self.seeds else ""
         threads = f", {self.cpu_threads} CPU thread(s)" if self.cpu_threads else ""
-        return f"{self.contender} {self.config}, {self.devices} device(s){population}{threads}"
+        reductions = "" if self.exact_reductions else ", exact_reductions=false"
+        return f"{self.contender} {self.config}, {self.devices} device(s){population}{threads}{reductions}"
 
 
 @dataclass(frozen=True)
@@ -181,9 +185,15 @@ def guard_rows(peers: Sequence[str]) -> list[Comparison]:
             row("small", devices=2, seeds=GUARD_SEEDS)]
 
 
+def reductions_rows(peers: Sequence[str]) -> list[Comparison]:
+    return [Comparison("reductions", Trial("jaxddppo", "large", devices),
+                       Trial("jaxddppo", "large", devices, exact_reductions=False))
+            for devices in (1, 2)]
+
+
 SUITE_ROWS: dict[str, Callable[[Sequence[str]], list[Comparison]]] = {
     "small": small_rows, "large": large_rows, "scaling": scaling_rows, "population": population_rows,
-    "guard": guard_rows,
+    "guard": guard_rows, "reductions": reductions_rows,
 }
 
 
@@ -228,9 +238,10 @@ class BenchError(RuntimeError):
     """A trial failed; the message names it and ends with its output's last lines."""
 
 
-def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The jaxddppo config of a benchmark spec: no checkpoints in between, no progress output."""
-    return {
+def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path, exact_reductions: bool = True) -> dict[str, Any]:
+    """The jaxddppo config of a benchmark spec: no checkpoints in between, no progress output.
+    train.exact_reductions is written only when false (a baseline checkout may predate it)."""
+    config = {
         "env": {"id": spec["env_id"], "num_envs": spec["num_envs"]},
         "network": {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"]},
         "ppo": {
@@ -244,6 +255,9 @@ def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
         "checkpoint": {"every_updates": 0, "every_seconds": 0},
         "run": {"dir": str(run_dir), "progress": False},
     }
+    if not exact_reductions:
+        config["train"]["exact_reductions"] = False
+    return config
 
 
 def trial_command(trial: Trial, spec: Mapping[str, Any], sources: Sources, scratch: Path) -> list[str]:
@@ -251,7 +265,7 @@ def trial_command(trial: Trial, spec: Mapping[str, Any], sources: Sources, scrat
     on a config file written there, or benchmarks/peers.py writing scratch/result.json."""
     if trial.contender in CHECKOUTS:
         config_path = scratch / "config.yaml"
-        config_path.write_text(yaml.safe_dump(jaxddppo_config(spec, scratch / "run")))
+        config_path.write_text(yaml.safe_dump(jaxddppo_config(spec, scratch / "run", trial.exact_reductions)))
         if trial.seeds:
             return [sys.executable, "-m", "jaxddppo.sweep", "--config", str(config_path), "--seeds", str(trial.seeds)]
         return [sys.executable, "-m", "jaxddppo.train", "--config", str(config_path)]

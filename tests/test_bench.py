@@ -9,14 +9,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 import yaml
 
 from conftest import REPO_ROOT, subprocess_env
+from jaxddppo import sharding
 from jaxddppo.config import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import collectives  # noqa: E402
 import families  # noqa: E402
 
 TINY_STEPS = 4096  # 8 updates of 4 envs x 128 steps, in one chunk
@@ -57,6 +61,19 @@ def test_the_guard_measures_this_checkout_against_the_baseline_on_the_same_trial
     assert [(row.numerator.config, row.numerator.devices, row.numerator.seeds, row.guarded) for row in guard] == [
         ("small", 1, 0, False), ("large", 1, 0, True), ("large", 2, 0, True), ("small", 2, 32, True)]
     assert bench.CONFIGS["large"]["num_envs"] == 2048
+
+
+def test_the_reductions_suite_prices_exact_reductions_on_one_and_two_devices(tmp_path):
+    rows = bench.comparisons(["reductions"], ["rejax"])
+    assert [(row.numerator, row.denominator) for row in rows] == [
+        (bench.Trial("jaxddppo", "large", devices), bench.Trial("jaxddppo", "large", devices, exact_reductions=False))
+        for devices in (1, 2)]
+    assert rows[1].denominator.label == "jaxddppo large, 2 device(s), exact_reductions=false"
+    sources = bench.Sources({"jaxddppo": REPO_ROOT})
+    fast = load_config(bench.trial_command(rows[1].denominator, bench.CONFIGS["large"], sources, tmp_path)[-1])
+    assert fast.train.exact_reductions is False
+    exact = bench.trial_command(rows[1].numerator, bench.CONFIGS["large"], sources, tmp_path)
+    assert "exact_reductions" not in yaml.safe_load(Path(exact[-1]).read_text())["train"]  # a baseline may predate it
 
 
 def test_each_peer_gets_the_peer_suites_rows():
@@ -170,8 +187,10 @@ PUREJAXRL = bench.PUREJAXRL_URL
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--suites", "small,fast"], "--suites=fast is not a suite; choose from small, large, scaling, population, guard"),
-    (["--suites", ""], "--suites=(none) is not a suite; choose from small, large, scaling, population, guard"),
+    (["--suites", "small,fast"],
+     "--suites=fast is not a suite; choose from small, large, scaling, population, guard, reductions"),
+    (["--suites", ""],
+     "--suites=(none) is not a suite; choose from small, large, scaling, population, guard, reductions"),
     (["--peers", "rejax,cleanrl"], "--peers=cleanrl is not a peer; choose from rejax, purejaxrl"),
     (["--suites", "guard"], "--suites=guard needs --baseline PATH, another checkout of jaxddppo"),
     (["--baseline", str(REPO_ROOT)], "--baseline is read only by the guard suite; add guard to --suites"),
@@ -272,6 +291,7 @@ print(len(env.step(jax.random.key(1), state, 0, params)))
 """
 
 
+@pytest.mark.slow  # about 30 s; the shim serves PureJaxRL, a peer CI does not install
 def test_the_shim_steps_gymnax_the_five_value_way_and_stands_in_for_unused_simulators():
     process = subprocess.run([sys.executable, "-c", SHIM_SCRIPT], capture_output=True, text=True,
                              cwd=REPO_ROOT / "benchmarks", env=subprocess_env(1), timeout=120)
@@ -324,3 +344,30 @@ def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: config file not found: {tmp_path / 'missing.yaml'} (see --help)"]
+
+
+@pytest.mark.parametrize("exact, expected", [
+    (True, [("all-to-all", 1000), ("all-gather", 1000)]),
+    (False, [("all-reduce", 1000)]),
+])
+def test_collectives_reads_how_shards_are_summed_from_the_compiled_program(exact, expected):
+    """benchmarks/collectives.py on a sum of 1,000 values over 2 devices, one shard each."""
+    shards = sharding.DeviceShards(exact)
+    program = sharding.shard_parallel(lambda values: sharding.copies(shards.sum(values), 1),
+                                      sharding.make_mesh(jax.devices()[:2]))
+    text = program.lower(np.ones((2, 1000), np.float32)).compile().as_text()
+    assert [found for found in collectives.collectives(text) if found[1] >= 1000] == expected
+    row = collectives.gradient_row({"devices": 2, "exact_reductions": exact, "parameters": 1000,
+                                    "collectives": expected + [("all-reduce", 3)]})
+    assert row["sent_per_device"] == 1000 and (row["other_collectives"], row["other_values"]) == (1, 3)
+
+
+def test_collectives_counts_the_values_of_tuples_and_async_pairs_once():
+    text = """
+  %ar = (f32[64]{0}, f32[4,16]{1,0}) all-reduce-start(f32[64]{0} %a, f32[4,16]{1,0} %b), replica_groups={}
+  %done = (f32[64]{0}, f32[4,16]{1,0}) all-reduce-done(%ar)
+  %ag = f32[2,500]{1,0} all-gather(f32[1,500]{1,0} %c), dimensions={0}
+"""
+    assert collectives.collectives(text) == [("all-reduce", 128), ("all-gather", 1000)]
+    assert collectives.sent_per_device("all-reduce", 1000, 8) == 1750
+    assert collectives.sent_per_device("all-to-all", 1000, 8) == 875
