@@ -239,7 +239,10 @@ def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, sh
         lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
     ))
     std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
-    return shards.map_batched(lambda shard: (shard - mean[..., None]) / (std[..., None] + 1e-8), centered)
+    # A product, not a division: XLA may rewrite a division into a product by the
+    # reciprocal, depending on the surrounding program, which would change the last bits.
+    inverse_std = 1.0 / (std + 1e-8)
+    return shards.map_batched(lambda shard: (shard - mean[..., None]) * inverse_std[..., None], centered)
 
 
 def mean_gradients(

@@ -1,7 +1,8 @@
 """Distribution semantics on simulated CPU devices (tests/conftest.py asks for 4).
 
 - N shards give the gradient of the single-shard global minibatch (DESIGN.md's trap).
-- One config with num_shards=4 learns the same bits on 1, 2 and 4 devices.
+- One config with num_shards=4 learns the same bits on 1, 2 and 4 devices (not so without
+  train.exact_reductions).
 - Replicas stay identical; shards get their own environment streams.
 - run.cpu_threads sizes XLA's CPU thread pool, without changing what is learnt.
 - run.cpu_devices cannot change the device count once JAX has started, and says so.
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
 
 from jaxddppo import sharding, train
-from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
+from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.ppo import Batch, PPOHyperparams, make_update, mean_gradients, normalize_minibatch_advantages
@@ -153,22 +155,53 @@ def learnt_on(config, num_devices: int):
     return host_leaves((state, metrics, stats))
 
 
+def pendulum_config(yaml_name: str = "pendulum.yaml", overrides: Optional[dict] = None) -> Config:
+    """Two updates of 4 shards of 2 envs, both normalisers on: continuous actions amplify
+    any difference in the last bits."""
+    return with_overrides(load_config(REPO_ROOT / "experiments" / yaml_name), {
+        "train.num_shards": 4, "env.num_envs": 8, "ppo.num_steps": 16, "ppo.num_minibatches": 2,
+        "train.total_env_steps": 8 * 16 * 2, "eval.num_episodes": 4, **(overrides or {}),
+    })
+
+
 @pytest.mark.parametrize("yaml_name,overrides", [
     ("pendulum.yaml", {"env.scale_rewards": True, "env.normalize_observations": True}),
     pytest.param("memory_chain.yaml", {}, marks=pytest.mark.slow),
 ])
 def test_continuous_and_recurrent_runs_are_bit_identical_on_one_and_four_devices(yaml_name, overrides):
     """Four shards in turn on one device, or one on each of four: every state leaf, metric
-    and evaluation statistic equal; with train.exact_reductions=false they are not."""
-    config = with_overrides(load_config(REPO_ROOT / "experiments" / yaml_name), {
-        "train.num_shards": 4, "env.num_envs": 8, "ppo.num_steps": 16, "ppo.num_minibatches": 2,
-        "train.total_env_steps": 8 * 16 * 2, "eval.num_episodes": 4, **overrides,
-    })
-    reference = learnt_on(config, 1)
-    for got, want in zip(learnt_on(config, 4), reference, strict=True):
+    and evaluation statistic equal."""
+    config = pendulum_config(yaml_name, overrides)
+    for got, want in zip(learnt_on(config, 4), learnt_on(config, 1), strict=True):
         np.testing.assert_array_equal(got, want)
-    batched = learnt_on(with_overrides(config, {"train.exact_reductions": False}), 4)
+
+
+@pytest.mark.slow  # two more compiles; shows that the 1-vs-4 test above could fail
+def test_without_exact_reductions_one_and_four_devices_differ():
+    config = pendulum_config(overrides={"env.scale_rewards": True, "env.normalize_observations": True,
+                                        "train.exact_reductions": False})
+    batched, reference = learnt_on(config, 4), learnt_on(config, 1)
     assert any(not np.array_equal(got, want, equal_nan=got.dtype.kind == "f") for got, want in zip(batched, reference))
+
+
+@pytest.mark.slow  # a process of its own with 8 devices
+def test_eight_shards_learn_the_same_bits_on_eight_devices_as_on_one(tmp_path):
+    """Pendulum with both normalisers, 8 shards: one on each of 8 devices (another process)
+    against all 8 in turn on one device: the same parameters and evaluation."""
+    overrides = {"env.scale_rewards": True, "env.normalize_observations": True, "train.num_shards": 8,
+                 "env.num_envs": 16, "ppo.num_steps": 16, "ppo.num_minibatches": 2, "eval.num_episodes": 8,
+                 "train.total_env_steps": 16 * 16 * 2, "run.progress": False}
+    process = subprocess.run(
+        [sys.executable, "-m", "jaxddppo.train", "--config", str(REPO_ROOT / "experiments" / "pendulum.yaml"),
+         *(f"{key}={value}" for key, value in overrides.items()), f"run.dir={tmp_path / 'eight'}"],
+        env=subprocess_env(8), capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr
+    eight = json.loads((tmp_path / "eight" / "summary.json").read_text())
+    assert eight["num_devices"] == 8
+    one = run(with_overrides(pendulum_config(overrides=overrides), {"run.dir": str(tmp_path / "one")}),
+              devices=jax.devices()[:1])
+    assert (eight["params_digest"], eight["eval_return_mean"]) == (one.summary["params_digest"],
+                                                                   one.summary["eval_return_mean"])
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
