@@ -1,10 +1,12 @@
 """The command line, run as a user runs it: `python -m jaxddppo.train --config FILE [key=value ...]`.
 
-Every case starts a fresh interpreter on the CPU backend with exactly one device,
-in its own working directory. Bad input must fail fast (before anything
-compiles) with one line on stderr and exit code 2. The two real training runs
-are started in the background when the module's first test starts, so they
-compile while the quick failure cases run.
+Every case runs on the CPU backend with exactly one device, in its own working
+directory. Bad input must fail fast (before anything compiles) with one line on
+stderr and exit code 2: the cases run one after another in one fresh interpreter,
+through `jaxddppo.train.main` (what `python -m jaxddppo.train` calls), and one of
+them also as its own process. The two real training runs are started in the
+background when the module's first test starts, so they compile while the quick
+failure cases run.
 """
 
 from __future__ import annotations
@@ -210,15 +212,67 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("args, files, expected", [case[1:] for case in BAD_INPUTS],
-                         ids=[case[0] for case in BAD_INPUTS])
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], files: dict[str, str],
-                                          expected: list[str]):
+# Runs each case's arguments through the command line's main function as `python -m jaxddppo.train`
+# runs them (`sys.exit(main())`), one after another: what one process would print and exit with.
+BATCH_DRIVER = r"""
+import contextlib, io, json, os, sys, traceback
+from jaxddppo.train import main
+results = []
+for cwd, args in json.loads(sys.stdin.read()):
+    os.chdir(cwd)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as stop:
+            code = stop.code
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    if isinstance(code, str):  # sys.exit("message") prints it and exits 1
+        err.write(code + "\n")
+        code = 1
+    results.append([code or 0, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def bad_input_case(tmp_path: Path, args: list[str], files: dict[str, str]) -> list[str]:
+    """Write the case's files into `tmp_path`; its arguments there, writing into tmp_path/r."""
     for name, text in files.items():
         (tmp_path / name).write_text(text)
+    return [arg.replace("{tmp}", str(tmp_path)) for arg in args] + [f"run.dir={tmp_path / 'r'}"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Result]]:
+    """Every BAD_INPUTS case, one after another in one fresh interpreter: its directory and result."""
+    cases = {name: (tmp_path_factory.mktemp(name), args, files) for name, args, files, _ in BAD_INPUTS}
+    batch = [[str(cwd), bad_input_case(cwd, args, files)] for cwd, args, files in cases.values()]
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-c", BATCH_DRIVER], input=json.dumps(batch), capture_output=True,
+                               text=True, env=subprocess_env(1), timeout=QUICK_TIMEOUT_S, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr
+    seconds = time.perf_counter() - start
+    outcomes = json.loads(completed.stdout.strip().splitlines()[-1])
+    return {name: (cases[name][0], Result(code, out, err, seconds))
+            for name, (code, out, err) in zip(cases, outcomes, strict=True)}
+
+
+def test_bad_input_in_its_own_process_is_one_line_and_exit_2(tmp_path: Path):
+    result = run_cli(bad_input_case(tmp_path, ["--config", "{tmp}/typo.yaml"], {"typo.yaml": "env:\n  num_envz: 4\n"}),
+                     tmp_path)
+    assert (result.returncode, result.stdout, "Traceback" in result.stderr) == (2, "", False), result.describe()
+    assert result.stderr.count("\n") == 1 and "env.num_envz" in result.stderr, result.describe()
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("name, expected", [(case[0], case[3]) for case in BAD_INPUTS],
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2(bad_input_results: dict[str, tuple[Path, Result]], name: str,
+                                          expected: list[str]):
+    tmp_path, result = bad_input_results[name]
     run_dir = tmp_path / "r"
-    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args] + [f"run.dir={run_dir}"]
-    result = run_cli(args, tmp_path)
 
     assert result.returncode == 2, result.describe()
     assert "Traceback" not in result.stdout + result.stderr, result.describe()
