@@ -20,8 +20,8 @@ suite: actuator ctrlrange is [-1, 1]; locomotion: action scales an offset from t
 brax PPO's tanh range).
 
 Physics implementation: every default config says impl='warp' (MuJoCo Warp through an XLA FFI
-call). On a CPU backend the adapter overrides it with impl='jax' (pure-JAX MJX); on GPU it keeps
-the config's default.
+call). On a CPU backend, or where the `warp` package is not installed, the adapter overrides it
+with impl='jax' (pure-JAX MJX); on a GPU with Warp it keeps the config's default.
 
 Step key: playground's `env.step(state, action)` takes no key (envs that need randomness keep a
 key in `state.info['rng']`), so the key passed here is unused. A typed key (jax.random.key) is
@@ -35,6 +35,7 @@ directory already exists (it never triggers the clone).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
@@ -104,8 +105,8 @@ class PlaygroundCore:
                 f"python -c \"from mujoco_playground import registry; registry.load('{name}')\"")
 
         config = registry.get_default_config(name)
-        on_cpu = "impl" in config and jax.default_backend() == "cpu"
-        self.env = registry.load(name, config_overrides={"impl": "jax"} if on_cpu else None)
+        pure_jax = "impl" in config and (jax.default_backend() == "cpu" or importlib.util.find_spec("warp") is None)
+        self.env = registry.load(name, config_overrides={"impl": "jax"} if pure_jax else None)
         config = self.env._config  # the env's own (locked, overridden) config
         self.episode_length = int(config.episode_length)
         self.action_repeat = int(config.get("action_repeat", 1) or 1)
