@@ -29,13 +29,18 @@ def _rollout_fn(env, network, critic_after_steps):
     return rollout
 
 
-# MinAtar's other games compile for about 20 s each; Breakout stands for them in CI.
-MINATAR_IN_CI = {"Breakout-MinAtar"}
+# Each rollout compiles for 5-20 s. CI steps every classic-control environment and one of
+# each other gymnax family (MinAtar, bsuite, misc); -m slow steps the rest.
+FAMILY_MEMBER_IN_CI = {"MinAtar": "Breakout-MinAtar", "bsuite": "Catch-bsuite", "misc": "FourRooms-misc"}
+
+
+def _in_ci(env_id: str) -> bool:
+    family = env_id.rsplit("-", 1)[-1]
+    return FAMILY_MEMBER_IN_CI.get(family, env_id) == env_id
 
 
 @pytest.mark.parametrize("env_id", [
-    pytest.param(env_id, marks=pytest.mark.slow) if env_id.endswith("-MinAtar") and env_id not in MINATAR_IN_CI else env_id
-    for env_id in available_env_ids()])
+    env_id if _in_ci(env_id) else pytest.param(env_id, marks=pytest.mark.slow) for env_id in available_env_ids()])
 def test_rollout_runs_on_every_environment(env_id):
     env = make_env(env_id)
     network = make_actor_critic(NetworkConfig(hidden_sizes=(8,), cnn_channels=(4,)), env.spec)
