@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench import CPU_DEVICE_COUNT_FLAG, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT
+
 LARGE_OVERRIDES = {"env.num_envs": 2048, "ppo.num_steps": 128, "train.total_env_steps": 2048 * 128 * 4,
                    "train.updates_per_chunk": 4}
 COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-to-all|all-gather|reduce-scatter|collective-permute)(?:-start)?\(")
@@ -95,36 +96,37 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="python benchmarks/collectives.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="2,8", help="comma-separated simulated device counts (default 2,8)")
     parser.add_argument("--config", default=str(REPO_ROOT / "experiments" / "cartpole.yaml"),
                         help="the experiment, sized up to 2048 envs x 128 steps (default experiments/cartpole.yaml)")
     parser.add_argument("--out", metavar="FILE", help="write the rows as JSON to FILE")
-    parser.add_argument("--one", type=int, metavar="N", help=argparse.SUPPRESS)  # a child process: N devices
-    return parser.parse_args(argv)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process on its devices
+    args = parser.parse_args(argv)
+    listed = args.devices
+    try:
+        args.devices = [int(count) for count in listed.split(",")]
+    except ValueError:
+        args.devices = []
+    if not args.devices or min(args.devices) < 2:
+        parser.error(f"--devices={listed} must list device counts of at least 2")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.one is not None:
+    if args.one:
         print(json.dumps([measure(args.config, exact) for exact in (True, False)]))
         return 0
-    try:
-        counts = [int(count) for count in args.devices.split(",")]
-    except ValueError:
-        counts = []
-    if not counts or min(counts) < 2:
-        print(f"error: --devices={args.devices} must list device counts of at least 2", file=sys.stderr)
-        return 2
     rows = []
-    for count in counts:
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={count}",
+    for count in args.devices:
+        env = {**os.environ, "XLA_FLAGS": f"{CPU_DEVICE_COUNT_FLAG}={count}",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-        child = subprocess.run([sys.executable, __file__, "--one", str(count), "--config", args.config],
+        child = subprocess.run([sys.executable, __file__, "--one", "--config", args.config, "--devices", str(count)],
                                env=env, capture_output=True, text=True)
         if child.returncode != 0:
             print(f"error: {count} devices: exit code {child.returncode}\n{child.stderr[-2000:]}", file=sys.stderr)
-            return 1
+            return EXIT_TRIAL_FAILED
         rows += [gradient_row(result) for result in json.loads(child.stdout.strip().splitlines()[-1])]
     print(format_table(rows))
     if args.out:
