@@ -43,30 +43,21 @@ BARE_SECONDS = 2.0  # the bare measurement times scans of ppo.num_steps steps fo
 def bare_rate(config_path: str) -> dict[str, Any]:
     """Random-action steps/s of the config's environments (run in a process of its own)."""
     import jax
-    import jax.numpy as jnp
 
     from jaxddppo.config import load_config
     from jaxddppo.envs import make_env
-    from jaxddppo.envs.base import strongly_typed
+    from jaxddppo.envs.base import random_actions, strongly_typed
 
     config = load_config(config_path)
     env = make_env(config.env.id, config.env.optimistic_reset_ratio)
     spec, num_envs, num_steps = env.spec, config.env.num_envs, config.ppo.num_steps
-
-    def random_action(key: jax.Array, obs: Any) -> jax.Array:
-        if not spec.discrete:
-            low, high = jnp.asarray(spec.action_low), jnp.asarray(spec.action_high)
-            return jax.random.uniform(key, (num_envs, spec.num_actions), minval=low, maxval=high)
-        if spec.action_mask_key is None:
-            return jax.random.randint(key, (num_envs,), 0, spec.num_actions)
-        return jax.random.categorical(key, jnp.where(obs[spec.action_mask_key], 0.0, -jnp.inf))
 
     @jax.jit
     def steps(key: jax.Array, obs: Any, state: Any) -> tuple[Any, Any]:
         def one(carry, step_key):
             obs, state = carry
             action_key, env_key = jax.random.split(step_key)
-            state, result = env.step(env_key, state, random_action(action_key, obs))
+            state, result = env.step(env_key, state, random_actions(spec, action_key, obs))
             return (result.obs, state), result.reward.sum()
 
         (obs, state), rewards = jax.lax.scan(one, (obs, state), jax.random.split(key, num_steps))

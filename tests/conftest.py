@@ -16,6 +16,15 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# One small id per environment family but gymnax: arrays (navix), images (xminigrid), a dict with a
+# mask (jumanji), a costly reset (craftax), continuous actions (playground).
+FAMILY_IDS = {
+    "craftax": "craftax:Craftax-Classic-Symbolic-v1",
+    "jumanji": "jumanji:Snake-v1",
+    "navix": "navix:Navix-Empty-5x5-v0",
+    "playground": "playground:CartpoleBalance",
+    "xminigrid": "xminigrid:MiniGrid-Empty-6x6",
+}
 _CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
 
 

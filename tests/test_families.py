@@ -16,14 +16,7 @@ from jaxddppo.policy import load_policy
 from jaxddppo.sweep import build_population
 from jaxddppo.train import Experiment, build, run, update_count
 
-from conftest import host_leaves
-
-# One small id per family with a fast compile: arrays (navix), images (xminigrid), a dict with a mask (jumanji).
-SMOKE_IDS = {
-    "navix": "navix:Navix-Empty-5x5-v0",
-    "xminigrid": "xminigrid:MiniGrid-Empty-6x6",
-    "jumanji": "jumanji:Snake-v1",
-}
+from conftest import FAMILY_IDS, host_leaves
 
 
 def installed(family: str) -> bool:
@@ -97,12 +90,12 @@ def two_updates(experiment: Experiment, checkpoint_dir=None) -> tuple[list[np.nd
     return params, jax.tree.map(np.asarray, metrics)
 
 
-@pytest.mark.parametrize("family", sorted(SMOKE_IDS))
+@pytest.mark.parametrize("family", sorted(FAMILY_IDS))
 def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_devices(family, tmp_path):
     """Seeds 0 and 1 as a sweep on one device; member 0 matches the run of seed 0 on 4 devices."""
     if not installed(family):
         pytest.skip(f"the {family} extra is not installed")
-    config = smoke_config(SMOKE_IDS[family])
+    config = smoke_config(FAMILY_IDS[family])
     members, metrics = two_updates(build_population(config, {"train.seed": [0, 1]}, devices=jax.devices()[:1]),
                                    checkpoint_dir=tmp_path)
     four_devices, _ = two_updates(build(config, jax.devices()[:4]))
@@ -113,12 +106,12 @@ def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_
 
 
 @pytest.mark.slow  # about 45 s per family; the sweep-member smoke above runs each installed family in CI
-@pytest.mark.parametrize("family", sorted(SMOKE_IDS))
+@pytest.mark.parametrize("family", sorted(FAMILY_IDS))
 def test_a_normalising_run_evaluates_and_its_policy_loads_and_acts_legally(family, tmp_path):
     if not installed(family):
         pytest.skip(f"the {family} extra is not installed")
     result = run(from_dict({
-        "env": {"id": SMOKE_IDS[family], "num_envs": 4, "normalize_observations": True},
+        "env": {"id": FAMILY_IDS[family], "num_envs": 4, "normalize_observations": True},
         "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
         "train": {"total_env_steps": 64, "updates_per_chunk": 2, "num_shards": 2},
         "network": {"hidden_sizes": [16]},

@@ -99,6 +99,17 @@ def observation_spec(core_reset: Any) -> Any:
     )
 
 
+def random_actions(spec: EnvSpec, key: jax.Array, obs: Any) -> jax.Array:
+    """Uniformly random legal actions for a batch of observations `obs` (masked ones never drawn)."""
+    num_envs = batch_size(obs)
+    if not spec.discrete:
+        low, high = jnp.asarray(spec.action_low), jnp.asarray(spec.action_high)
+        return jax.random.uniform(key, (num_envs, spec.num_actions), minval=low, maxval=high)
+    if spec.action_mask_key is None:
+        return jax.random.randint(key, (num_envs,), 0, spec.num_actions)
+    return jax.random.categorical(key, jnp.where(obs[spec.action_mask_key], 0.0, -jnp.inf))
+
+
 def _select(done: jax.Array, on_done: Any, otherwise: Any) -> Any:
     """Leaf by leaf, `on_done` where `done` [B] holds, else `otherwise` (leaves [B, ...])."""
 
