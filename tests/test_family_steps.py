@@ -64,3 +64,4 @@ def test_a_family_steps_jitted_with_random_legal_actions(family):
             assert legal.all()
     else:
         assert actions.shape == (NUM_STEPS, NUM_ENVS, spec.num_actions)
+        assert ((np.asarray(spec.action_low) <= actions) & (actions <= np.asarray(spec.action_high))).all()
