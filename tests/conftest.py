@@ -25,6 +25,15 @@ FAMILY_IDS = {
     "playground": "playground:CartpoleBalance",
     "xminigrid": "xminigrid:MiniGrid-Empty-6x6",
 }
+
+
+def family_installed(family: str) -> bool:
+    """Whether the package of an environment family's extra is installed."""
+    import importlib.util
+
+    from jaxddppo.envs import FAMILIES
+
+    return importlib.util.find_spec(FAMILIES[family].package) is not None
 _CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
 
 

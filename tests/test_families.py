@@ -16,11 +16,7 @@ from jaxddppo.policy import load_policy
 from jaxddppo.sweep import build_population
 from jaxddppo.train import Experiment, build, run, update_count
 
-from conftest import FAMILY_IDS, host_leaves
-
-
-def installed(family: str) -> bool:
-    return importlib.util.find_spec(FAMILIES[family].package) is not None
+from conftest import FAMILY_IDS, family_installed, host_leaves
 
 
 def test_a_bare_id_is_gymnax_and_a_prefixed_id_names_its_family():
@@ -48,7 +44,7 @@ def test_a_family_without_its_extra_names_the_extra_to_install(family, monkeypat
 
 @pytest.mark.parametrize("family", [name for name in FAMILIES if name != "gymnax"])
 def test_an_unknown_name_lists_the_family_s_valid_names(family):
-    if not installed(family):
+    if not family_installed(family):
         pytest.skip(f"the {family} extra is not installed")
     valid = available_env_ids(family)
     assert valid and all(env_id.startswith(f"{family}:") for env_id in valid)
@@ -93,7 +89,7 @@ def two_updates(experiment: Experiment, checkpoint_dir=None) -> tuple[list[np.nd
 @pytest.mark.parametrize("family", sorted(FAMILY_IDS))
 def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_devices(family, tmp_path):
     """Seeds 0 and 1 as a sweep on one device; member 0 matches the run of seed 0 on 4 devices."""
-    if not installed(family):
+    if not family_installed(family):
         pytest.skip(f"the {family} extra is not installed")
     config = smoke_config(FAMILY_IDS[family])
     members, metrics = two_updates(build_population(config, {"train.seed": [0, 1]}, devices=jax.devices()[:1]),
@@ -108,7 +104,7 @@ def test_ppo_updates_are_finite_as_a_sweep_member_resume_exactly_and_match_four_
 @pytest.mark.slow  # about 45 s per family; the sweep-member smoke above runs each installed family in CI
 @pytest.mark.parametrize("family", sorted(FAMILY_IDS))
 def test_a_normalising_run_evaluates_and_its_policy_loads_and_acts_legally(family, tmp_path):
-    if not installed(family):
+    if not family_installed(family):
         pytest.skip(f"the {family} extra is not installed")
     result = run(from_dict({
         "env": {"id": FAMILY_IDS[family], "num_envs": 4, "normalize_observations": True},

@@ -4,8 +4,6 @@ Marked `families`: CI runs these in a step of its own, after installing every fa
 extra (the main suite installs only xminigrid; a family not installed is skipped).
 """
 
-import importlib.util
-
 import jax
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import pytest
 from jaxddppo.envs import FAMILIES, make_env
 from jaxddppo.envs.base import random_actions, strongly_typed
 
-from conftest import FAMILY_IDS
+from conftest import FAMILY_IDS, family_installed
 
 NUM_ENVS, NUM_STEPS = 3, 6
 
@@ -25,7 +23,7 @@ def test_every_family_has_an_example_id_in_the_tests():
 @pytest.mark.families
 @pytest.mark.parametrize("family", sorted(FAMILY_IDS))
 def test_a_family_steps_jitted_with_random_legal_actions(family):
-    if importlib.util.find_spec(FAMILIES[family].package) is None:
+    if not family_installed(family):
         pytest.skip(f"the {family} extra is not installed")
     env = make_env(FAMILY_IDS[family])
     spec = env.spec
