@@ -428,17 +428,20 @@ class Programs:
 def compile_programs(experiment: Experiment) -> Programs:
     """The initialisation, the chunk of updates and, if asked, the periodic evaluation,
     lowered from the initialisation's output shapes alone (nothing runs before every
-    program is compiled), then compiled side by side: XLA compiles without holding
-    Python's GIL, and one compile uses about one core."""
+    program is compiled). Each program compiles as soon as it is lowered, the longest
+    first: XLA compiles without holding Python's GIL, so the next lowering and the other
+    compiles run beside it (one compile uses about one core)."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
-    lowered = {"init": traced_init.lower(),
-               "learn": experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))}
+    lowerings = {"learn": lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))}
     if experiment.config.eval.every_updates:
-        lowered["evaluate"] = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
-    with ThreadPoolExecutor(max_workers=len(lowered)) as pool:
-        futures = {name: pool.submit(program.compile) for name, program in lowered.items()}
+        lowerings["evaluate"] = lambda: experiment.eval_fn().lower(
+            state.params, state.obs_moments, state.update_index, inputs
+        )
+    lowerings["init"] = traced_init.lower
+    with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
+        futures = {name: pool.submit(lambda lower=lower: lower().compile()) for name, lower in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"))
 

@@ -176,6 +176,15 @@ def test_continuous_and_recurrent_runs_are_bit_identical_on_one_and_four_devices
         np.testing.assert_array_equal(got, want)
 
 
+def test_exact_reductions_loop_over_shards_only_where_there_are_several():
+    """A run of one shard has one order: it runs its update unlooped either way."""
+    for num_shards, exact in ((1, False), (2, True), (4, True)):
+        config = with_overrides(invariance_config(), {"train.num_shards": num_shards})
+        assert build(config, jax.devices()[:1]).settings.shards.exact == exact
+    unexact = with_overrides(invariance_config(), {"train.exact_reductions": False})
+    assert not build(unexact, jax.devices()[:1]).settings.shards.exact
+
+
 @pytest.mark.slow  # two more compiles; shows that the 1-vs-4 test above could fail
 def test_without_exact_reductions_one_and_four_devices_differ():
     config = pendulum_config(overrides={"env.scale_rewards": True, "env.normalize_observations": True,
