@@ -1,13 +1,20 @@
 """Opt-in CPU tuning: what XLA's CPU backend runs much faster written another way.
 
-Nothing here is used unless a config option asks for it; everything is plain JAX.
+Nothing here is used unless a config option asks for it; everything is plain, public JAX,
+and importing it changes nothing in JAX.
 
 `ppo.minibatch_shuffle=cpu_sorts` draws each epoch's minibatch order with
 `sort_permutation` instead of `jax.random.permutation`. JAX shuffles by sorting
 (random key, index) pairs, and XLA's CPU backend sorts pairs by calling a compiled
-comparator for every comparison; it sorts one array of integers directly. The large
-CartPole config's four epochs of 262,144 samples per update: 0.74-0.78 s against
-1.94-1.99 s on a loaded 2-core host (docs/benchmarks.md has the command).
+comparator for every comparison; it sorts one array of integers directly
+(docs/benchmarks.md has the timings and the command).
+
+`run.written_out_threefry=true` runs the update (and the initialisation) with its keys in
+`WRITTEN_OUT_THREEFRY`, a PRNG implementation (`jax.extend.random.define_prng_impl`) that
+computes JAX's Threefry-2x32 with every round written out. JAX lowers the hash on CPU as a
+loop of 5 iterations, which XLA cannot fuse with what draws from it: every split and draw
+becomes a loop of small operations. The random bits are JAX's, bit for bit; the program
+around them fuses otherwise, so float results match only up to rounding.
 """
 
 from __future__ import annotations
@@ -27,24 +34,26 @@ _BITS_PER_ELEMENT_FACTOR = 3
 def sort_permutation(key: jax.Array, n: int) -> jax.Array:
     """A uniformly random order of range(n) (int32), from stable sorts by random keys.
 
-    Each round sorts one int32 array: a random key in the high bits, the element's
-    current position in the low bits (so equal keys keep their order, as a stable sort
-    would). Successive stable sorts order by all rounds' keys together, the last round's
-    first; rounds are added until they hold JAX's 3 x log2(n) random bits.
+    Each round sorts one array of 64-bit integers: 32 random bits in the high word, the
+    element's current position in the low word (so equal keys keep their order, as a
+    stable sort would). Successive stable sorts order by all rounds' keys together, the
+    last round's first; rounds are added until they hold JAX's 3 x log2(n) random bits
+    (two rounds up to 2**21 elements). The 64-bit integers live inside a
+    `jax.enable_x64` block, which reverts when the sort is traced.
     """
     if n <= 1:
         return jnp.arange(n, dtype=jnp.int32)
-    position_bits = (n - 1).bit_length()
-    key_bits = 31 - position_bits
-    if key_bits < 1:
-        raise ValueError(f"sort_permutation needs n < 2**30, got {n}")
-    num_rounds = math.ceil(_BITS_PER_ELEMENT_FACTOR * math.log2(n) / key_bits)
-    positions = jnp.arange(n, dtype=jnp.int32)
-    order = positions
+    if n >= 2**31:
+        raise ValueError(f"sort_permutation needs n < 2**31, got {n}")
+    num_rounds = math.ceil(_BITS_PER_ELEMENT_FACTOR * math.log2(n) / 32)
+    order = jnp.arange(n, dtype=jnp.int32)
     for round_key in jax.random.split(key, num_rounds):
-        random_keys = (jax.random.bits(round_key, (n,), jnp.uint32) >> (32 - key_bits)).astype(jnp.int32)
-        packed = jnp.sort((random_keys << position_bits) | positions)
-        order = order[packed & ((1 << position_bits) - 1)]
+        random_words = jax.random.bits(round_key, (n,), jnp.uint32)
+        with jax.enable_x64(True):
+            positions = jnp.arange(n, dtype=jnp.uint64)
+            packed = jnp.sort((random_words.astype(jnp.uint64) << np.uint64(32)) | positions)
+            sorted_positions = (packed & np.uint64(0xFFFFFFFF)).astype(jnp.int32)
+        order = order[sorted_positions]
     return order
 
 

@@ -16,7 +16,7 @@ import yaml
 
 from conftest import REPO_ROOT, subprocess_env
 from jaxddppo import sharding
-from jaxddppo.config import load_config
+from jaxddppo.config import from_dict, load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
@@ -68,17 +68,25 @@ def test_the_guard_measures_this_checkout_against_the_baseline_on_the_same_trial
     assert bench.CONFIGS["large"]["num_envs"] == 2048
 
 
-def test_the_reductions_suite_prices_exact_reductions_on_one_and_two_devices(tmp_path):
+def test_the_reductions_suite_prices_exact_reductions_on_two_devices(tmp_path):
     rows = bench.comparisons(["reductions"], ["rejax"])
     assert [(row.numerator, row.denominator) for row in rows] == [
-        (bench.Trial("jaxddppo", "large", devices), bench.Trial("jaxddppo", "large", devices, exact_reductions=False))
-        for devices in (1, 2)]
-    assert rows[1].denominator.label == "jaxddppo large, 2 device(s), exact_reductions=false"
+        (bench.Trial("jaxddppo", "large", 2), bench.Trial("jaxddppo", "large", 2, exact_reductions=False))]
+    (row,) = rows
+    assert row.denominator.label == "jaxddppo large, 2 device(s), exact_reductions=false"
     sources = bench.Sources({"jaxddppo": REPO_ROOT})
-    fast = load_config(bench.trial_command(rows[1].denominator, bench.CONFIGS["large"], sources, tmp_path)[-1])
+    fast = load_config(bench.trial_command(row.denominator, bench.CONFIGS["large"], sources, tmp_path)[-1])
     assert fast.train.exact_reductions is False
-    exact = bench.trial_command(rows[1].numerator, bench.CONFIGS["large"], sources, tmp_path)
+    exact = bench.trial_command(row.numerator, bench.CONFIGS["large"], sources, tmp_path)
     assert "exact_reductions" not in yaml.safe_load(Path(exact[-1]).read_text())["train"]  # a baseline may predate it
+
+
+def test_a_tuned_trial_runs_with_the_opt_in_cpu_options(tmp_path):
+    for cpu_tuning, shuffle in ((False, "jax"), (True, "cpu_sorts")):
+        written = bench.jaxddppo_config(bench.CONFIGS["large"], tmp_path / "run", cpu_tuning=cpu_tuning)
+        config = from_dict(written)
+        assert config.ppo.minibatch_shuffle == shuffle and config.run.written_out_threefry == cpu_tuning
+        assert ("written_out_threefry" in written["run"]) == cpu_tuning  # a baseline may predate the option
 
 
 def test_each_peer_gets_the_peer_suites_rows():
