@@ -157,11 +157,6 @@ class RunConfig:
         "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count); python -m jaxddppo.sweep "
         "then takes one device per core, as many as divide the member count (docs/sweeps.md). The CPU backend only"
     )
-    written_out_threefry: bool = _opt(
-        False, "updates draw their random numbers with jaxddppo.cpu_tuning's Threefry, every round written out: "
-        "the same random bits as JAX's Threefry, which XLA's CPU backend runs as a loop; compiles and runs faster "
-        "on CPU (docs/benchmarks.md). XLA then fuses the program otherwise: results equal up to float rounding"
-    )
 
 
 @dataclass(frozen=True)
@@ -413,7 +408,7 @@ def from_dict(values: dict) -> Config:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "run.written_out_threefry", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 

@@ -74,7 +74,6 @@ class UpdateSettings:
     scale_rewards: bool
     minibatch_shuffle: str = "jax"  # ppo.minibatch_shuffle
     exact_reductions: bool = True  # train.exact_reductions
-    written_out_threefry: bool = False  # run.written_out_threefry
 
     @classmethod
     def from_config(cls, config: Config, topology: Topology) -> "UpdateSettings":
@@ -96,7 +95,6 @@ class UpdateSettings:
             scale_rewards=config.env.scale_rewards,
             minibatch_shuffle=ppo.minibatch_shuffle,
             exact_reductions=config.train.exact_reductions,
-            written_out_threefry=config.run.written_out_threefry,
         )
 
     @property
@@ -526,7 +524,7 @@ def make_update(
         )
         return new_state, metrics
 
-    return cpu_tuning.with_written_out_threefry(update) if settings.written_out_threefry else update
+    return update
 
 
 def initial_params(seed: int | jax.Array, network: ActorCritic, obs: Any) -> Any:
@@ -551,8 +549,6 @@ def init_train_state(
     running a program that initialises several members' networks at once (batched QR).
     """
     root = jax.random.key(seed)
-    if settings.written_out_threefry:
-        root = cpu_tuning.written_out_keys(root)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
     params = initial_params(seed, network, obs) if params is None else params
@@ -565,7 +561,7 @@ def init_train_state(
         )
     if settings.scale_rewards:
         rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
-    state = strongly_typed(TrainState(
+    return strongly_typed(TrainState(
         params=params,
         opt_state=opt_state,
         rollout=rollout,
@@ -574,4 +570,3 @@ def init_train_state(
         obs_moments=init_observation_moments(env.spec.observation) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,
     ))
-    return cpu_tuning.jax_keys(state) if settings.written_out_threefry else state

@@ -1,10 +1,7 @@
 """jaxddppo.cpu_tuning: the opt-in shuffle is a uniformly random permutation, drawn as the
-stable sorts it describes, and training takes it through ppo.minibatch_shuffle; the
-written-out Threefry draws JAX's bits, and training takes it through
-run.written_out_threefry."""
+stable sorts it describes, and training takes it through ppo.minibatch_shuffle."""
 
 import collections
-import json
 import itertools
 import math
 
@@ -13,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import cpu_tuning
 from jaxddppo.cpu_tuning import sort_permutation
 from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
 
@@ -84,89 +80,3 @@ def test_training_with_cpu_sorts_learns_the_same_on_one_and_two_devices(tmp_path
     one, two = train(1), train(2)
     assert np.isfinite(one["params_digest"])
     np.testing.assert_allclose(two["params_digest"], one["params_digest"], rtol=1e-6)
-
-
-KEY_DRAWS = {
-    "split": lambda key: jax.random.key_data(jax.random.split(key, 7)),
-    "split of a shape": lambda key: jax.random.key_data(jax.random.split(key, (3, 5))),
-    "fold_in": lambda key: jax.random.key_data(jax.random.fold_in(key, 4_000_000_000)),
-    "bits": lambda key: jax.random.bits(key, (5, 3)),
-    "bits, uint8": lambda key: jax.random.bits(key, (11,), jnp.uint8),
-    "bits, uint16": lambda key: jax.random.bits(key, (11,), jnp.uint16),
-    "bits, a scalar": lambda key: jax.random.bits(key, ()),
-    "uniform": lambda key: jax.random.uniform(key, (1000,)),
-    "normal": lambda key: jax.random.normal(key, (1000,)),
-    "categorical": lambda key: jax.random.categorical(key, jnp.zeros((64, 6))),
-    "permutation": lambda key: jax.random.permutation(key, 1000),
-    "split under vmap": lambda key: jax.random.key_data(jax.vmap(jax.random.split)(jax.random.split(key, 4))),
-}
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2**31 - 1])
-@pytest.mark.parametrize("draw", sorted(KEY_DRAWS))
-def test_written_out_threefry_draws_the_bits_of_jax_threefry(seed, draw):
-    key = jax.random.key(seed)
-    written_out = cpu_tuning.written_out_keys(key)
-    assert jax.random.key_impl(written_out) == cpu_tuning.WRITTEN_OUT_THREEFRY
-    for transform in (lambda f: f, jax.jit):
-        expected = np.asarray(transform(KEY_DRAWS[draw])(key))
-        np.testing.assert_array_equal(np.asarray(transform(KEY_DRAWS[draw])(written_out)), expected)
-
-
-def test_written_out_threefry_is_the_published_block_cipher():
-    """Known-answer vectors of Threefry-2x32, 20 rounds (Random123's kat_vectors)."""
-    vectors = [((0x00000000, 0x00000000), (0x00000000, 0x00000000), (0x6B200159, 0x99BA4EFE)),
-               ((0xFFFFFFFF, 0xFFFFFFFF), (0xFFFFFFFF, 0xFFFFFFFF), (0x1CB996FC, 0xBB002BE7)),
-               ((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3), (0xC4923A9C, 0x483DF7A0))]
-    for key, (high, low), expected in vectors:
-        got = cpu_tuning.threefry2x32(jnp.asarray(key, jnp.uint32), jnp.uint32(high), jnp.uint32(low))
-        assert tuple(int(word) for word in got) == expected
-
-
-def test_keys_change_implementation_and_nothing_else():
-    tree = {"key": jax.random.split(jax.random.key(3), 2), "count": jnp.arange(3), "raw": jax.random.PRNGKey(1)}
-    written_out = cpu_tuning.written_out_keys(tree)
-    assert jax.random.key_impl(written_out["key"]) == cpu_tuning.WRITTEN_OUT_THREEFRY
-    back = cpu_tuning.jax_keys(written_out)
-    assert back["key"].dtype == tree["key"].dtype
-    for leaf, other in zip(jax.tree.leaves(jax.random.key_data(back["key"])), [jax.random.key_data(tree["key"])]):
-        np.testing.assert_array_equal(leaf, other)
-    np.testing.assert_array_equal(back["count"], tree["count"])
-    np.testing.assert_array_equal(back["raw"], tree["raw"])  # raw uint32 keys are not keys to rekey
-
-
-def test_an_update_sees_written_out_keys_and_hands_back_jax_keys():
-    seen = []
-
-    def update(state, step):
-        seen.append(jax.random.key_impl(state["key"]))
-        return {"key": jax.random.fold_in(state["key"], step), "x": state["x"] + 1}, jax.random.uniform(state["key"])
-
-    state = {"key": jax.random.key(0), "x": jnp.zeros(())}
-    new_state, drawn = jax.jit(cpu_tuning.with_written_out_threefry(update))(state, 2)
-    assert seen == [cpu_tuning.WRITTEN_OUT_THREEFRY]
-    assert new_state["key"].dtype == state["key"].dtype
-    np.testing.assert_array_equal(jax.random.key_data(new_state["key"]),
-                                  jax.random.key_data(jax.random.fold_in(state["key"], 2)))
-    assert drawn == jax.random.uniform(state["key"])
-
-
-def test_training_with_written_out_threefry_resumes_without_it(tmp_path):
-    """The option changes the programs, not the state: a run with it stops, resumes without
-    it and stays close to the run without it all along (XLA fuses the programs otherwise,
-    so float results may differ in the last bits)."""
-    from jaxddppo.train import run
-
-    def train(name, written_out, updates, resume=False):
-        config = {"env": {"num_envs": 8}, "ppo": {"num_steps": 16},
-                  "train": {"total_env_steps": 8 * 16 * 4, "updates_per_chunk": 1},
-                  "eval": {"num_episodes": 2}, "checkpoint": {"every_seconds": 0},
-                  "run": {"progress": False, "dir": str(tmp_path / name), "written_out_threefry": written_out}}
-        return run(config, resume=resume, stop_after_updates=updates)
-
-    plain = train("plain", False, None)
-    train("switched", True, 2)
-    switched = train("switched", False, None, resume=True)
-    rows = [[json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")] for name in ("plain", "switched")]
-    assert [row["episode_return_mean"] for row in rows[1]] == [row["episode_return_mean"] for row in rows[0]]
-    np.testing.assert_allclose(switched.summary["params_digest"], plain.summary["params_digest"], rtol=1e-5)
