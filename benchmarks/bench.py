@@ -281,7 +281,8 @@ def trial_command(trial: Trial, spec: Mapping[str, Any], sources: Sources, scrat
     on a config file written there, or benchmarks/peers.py writing scratch/result.json."""
     if trial.contender in CHECKOUTS:
         config_path = scratch / "config.yaml"
-        config_path.write_text(yaml.safe_dump(jaxddppo_config(spec, scratch / "run", trial.exact_reductions, trial.cpu_tuning)))
+        config = jaxddppo_config(spec, scratch / "run", trial.exact_reductions, trial.cpu_tuning)
+        config_path.write_text(yaml.safe_dump(config))
         if trial.seeds:
             return [sys.executable, "-m", "jaxddppo.sweep", "--config", str(config_path), "--seeds", str(trial.seeds)]
         return [sys.executable, "-m", "jaxddppo.train", "--config", str(config_path)]
