@@ -8,11 +8,16 @@ and importing it changes nothing in JAX.
 (random key, index) pairs, and XLA's CPU backend sorts pairs by calling a compiled
 comparator for every comparison; it sorts one array of integers directly
 (docs/benchmarks.md has the timings and the command).
+
+`run.fast_cpu_compile` compiles the programs with `compiler_options`: XLA's CPU backend
+spends most of a compile in LLVM, whose level 3 makes these programs no faster than its
+level 2, and whose level 0 suffices for a program that runs once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.experimental
@@ -33,8 +38,8 @@ def sort_permutation(key: jax.Array, n: int) -> jax.Array:
     element's current position in the low word (so equal keys keep their order, as a
     stable sort would). Successive stable sorts order by all rounds' keys together, the
     last round's first; rounds are added until they hold JAX's 3 x log2(n) random bits
-    (two rounds up to 2**21 elements). The 64-bit integers live inside an `enable_x64`
-    block, which reverts when the sort is traced.
+    (two rounds up to 2**21 elements), all drawn in one call. The 64-bit integers live
+    inside an `enable_x64` block, which reverts when the sort is traced.
     """
     if n <= 1:
         return jnp.arange(n, dtype=jnp.int32)
@@ -42,11 +47,19 @@ def sort_permutation(key: jax.Array, n: int) -> jax.Array:
         raise ValueError(f"sort_permutation needs n < 2**31, got {n}")
     num_rounds = math.ceil(_BITS_PER_ELEMENT_FACTOR * math.log2(n) / 32)
     order = jnp.arange(n, dtype=jnp.int32)
-    for round_key in jax.random.split(key, num_rounds):
-        random_words = jax.random.bits(round_key, (n,), jnp.uint32)
+    for random_words in jax.random.bits(key, (num_rounds, n), jnp.uint32):
         with _SIXTY_FOUR_BITS(True):
             positions = jnp.arange(n, dtype=jnp.uint64)
             packed = jnp.sort((random_words.astype(jnp.uint64) << np.uint64(32)) | positions)
             sorted_positions = (packed & np.uint64(0xFFFFFFFF)).astype(jnp.int32)
         order = order[sorted_positions]
     return order
+
+
+def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
+    """`Lowered.compile` options for a program on `platform` (a device's `.platform`):
+    on CPU, XLA's backend optimisation level 0 for a program that runs once and 2 for the
+    others (XLA's default is 3); none elsewhere (XLA's GPU backend refuses level 0)."""
+    if platform != "cpu":
+        return {}
+    return {"xla_backend_optimization_level": 0 if runs_once else 2}

@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import sharding
+from jaxddppo import cpu_tuning, sharding
 from jaxddppo.checkpoint import (
     PREEMPTED_EXIT_CODE,
     Checkpointer,
@@ -429,8 +429,8 @@ def compile_programs(experiment: Experiment) -> Programs:
     """The initialisation, the chunk of updates and, if asked, the periodic evaluation,
     lowered from the initialisation's output shapes alone (nothing runs before every
     program is compiled). Each program compiles as soon as it is lowered, the longest
-    first: XLA compiles without holding Python's GIL, so the next lowering and the other
-    compiles run beside it (one compile uses about one core)."""
+    first: XLA compiles without holding Python's GIL, so the next lowering runs beside
+    it. `run.fast_cpu_compile` passes `cpu_tuning.compiler_options`."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
@@ -440,8 +440,12 @@ def compile_programs(experiment: Experiment) -> Programs:
             state.params, state.obs_moments, state.update_index, inputs
         )
     lowerings["init"] = traced_init.lower
+    platform = experiment.mesh.devices.flat[0].platform
+    options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
+               if experiment.config.run.fast_cpu_compile else {} for name in lowerings}
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
-        futures = {name: pool.submit(lambda lower=lower: lower().compile()) for name, lower in lowerings.items()}
+        futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
+                   for name, lower in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"))
 

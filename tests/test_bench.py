@@ -56,15 +56,15 @@ def test_every_suite_alternates_distinct_trials():
 
 def test_the_guard_measures_this_checkout_against_the_baseline_on_the_same_trials():
     guard = bench.comparisons(["guard"], ["rejax"])
-    assert all(replace(row.numerator, cpu_tuning=False) == replace(row.denominator, contender="jaxddppo")
-               for row in guard)
+    assert all(replace(row.numerator, cpu_tuning=False, exact_reductions=True)
+               == replace(row.denominator, contender="jaxddppo") for row in guard)
     assert {row.denominator.contender for row in guard} == {"baseline"}
-    # Defaults reported; the opt-in CPU tuning held to the bounds.
+    # Defaults reported; the opt-in CPU tuning with the baseline's plain all-reduces held to the bounds.
     assert [(row.numerator.config, row.numerator.devices, row.numerator.seeds, row.numerator.cpu_tuning,
-             row.guarded) for row in guard] == [
-        ("small", 1, 0, False, False), ("large", 1, 0, False, False), ("large", 1, 0, True, True),
-        ("large", 2, 0, False, False), ("large", 2, 0, True, True), ("small", 2, 32, False, False),
-        ("small", 2, 32, True, True)]
+             row.numerator.exact_reductions, row.guarded) for row in guard] == [
+        ("small", 1, 0, False, True, False), ("large", 1, 0, False, True, False),
+        ("large", 1, 0, True, False, True), ("large", 2, 0, False, True, False), ("large", 2, 0, True, False, True),
+        ("small", 2, 32, False, True, False), ("small", 2, 32, True, False, True)]
     assert bench.CONFIGS["large"]["num_envs"] == 2048
 
 
@@ -85,8 +85,9 @@ def test_a_tuned_trial_runs_with_the_opt_in_cpu_options(tmp_path):
     for cpu_tuning, shuffle in ((False, "jax"), (True, "cpu_sorts")):
         written = bench.jaxddppo_config(bench.CONFIGS["large"], tmp_path / "run", cpu_tuning=cpu_tuning)
         config = from_dict(written)
-        assert config.ppo.minibatch_shuffle == shuffle
-        assert ("minibatch_shuffle" in written["ppo"]) == cpu_tuning  # a baseline may predate the option
+        assert (config.ppo.minibatch_shuffle, config.run.fast_cpu_compile) == (shuffle, cpu_tuning)
+        # A baseline may predate the options.
+        assert ("minibatch_shuffle" in written["ppo"]) == ("fast_cpu_compile" in written["run"]) == cpu_tuning
 
 
 def test_each_peer_gets_the_peer_suites_rows():
@@ -136,8 +137,9 @@ def test_guarded_rows_are_held_to_the_bounds():
         measurements[row.denominator] = [result(100.0, compile_seconds=1.0)]
     table = bench.summarise(rows, measurements)
     assert [entry["guard"] for entry in table] == [None, None, "pass", None, "FAIL", None, "FAIL"]
-    assert bench.guard_failures(table) == ["jaxddppo large, 2 device(s), CPU tuning / baseline",
-                                           "jaxddppo small, 2 device(s), 32 seeds, CPU tuning / baseline"]
+    assert bench.guard_failures(table) == [
+        "jaxddppo large, 2 device(s), exact_reductions=false, CPU tuning / baseline",
+        "jaxddppo small, 2 device(s), 32 seeds, exact_reductions=false, CPU tuning / baseline"]
     lines = bench.format_table(table).splitlines()
     assert lines[2].endswith("| - |") and lines[4].endswith("| pass |") and lines[6].endswith("| FAIL |")
 

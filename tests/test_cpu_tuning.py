@@ -1,5 +1,6 @@
 """jaxddppo.cpu_tuning: the opt-in shuffle is a uniformly random permutation, drawn as the
-stable sorts it describes, and training takes it through ppo.minibatch_shuffle."""
+stable sorts it describes, and training takes it through ppo.minibatch_shuffle; the opt-in
+compiler options reach every program and start training from the same state."""
 
 import collections
 import itertools
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo.cpu_tuning import sort_permutation
+from conftest import host_leaves
+from jaxddppo.cpu_tuning import compiler_options, sort_permutation
 from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
 
 
@@ -18,8 +20,8 @@ def reference_permutation(key: jax.Array, n: int) -> np.ndarray:
     """The same rounds in NumPy: each a stable argsort by the round's 32 random bits alone."""
     num_rounds = math.ceil(3 * math.log2(n) / 32)
     order = np.arange(n)
-    for round_key in jax.random.split(key, num_rounds):
-        order = order[np.argsort(np.asarray(jax.random.bits(round_key, (n,), jnp.uint32)), kind="stable")]
+    for random_words in np.asarray(jax.random.bits(key, (num_rounds, n), jnp.uint32)):
+        order = order[np.argsort(random_words, kind="stable")]
     return order
 
 
@@ -67,16 +69,48 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
 
 
+def test_fast_cpu_compile_compiles_at_lower_levels_the_same_initial_state(monkeypatch):
+    """run.fast_cpu_compile: every program compiles with `compiler_options` for its
+    platform, the initialisation as a program that runs once; it starts from the state
+    a default compile starts from, but for the last bits."""
+    from jaxddppo import cpu_tuning, train
+    from jaxddppo.config import from_dict, with_overrides
+
+    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16},
+                        "train": {"updates_per_chunk": 1}, "eval": {"every_updates": 1}})
+    default = train.build(config, jax.devices()[:1])
+    asked = []
+
+    def recorded(platform, runs_once):
+        asked.append((platform, runs_once))
+        return compiler_options(platform, runs_once)
+
+    monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
+    fast = train.build(with_overrides(config, {"run.fast_cpu_compile": True}), jax.devices()[:1])
+    fast_programs = train.compile_programs(fast)
+    assert sorted(asked) == [("cpu", False), ("cpu", False), ("cpu", True)]  # learn, evaluate; init
+    want = default.init_state()
+    got = fast_programs.init(fast_programs.inputs)
+    for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):
+        np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)
+
+
+def test_compiler_options_lower_levels_on_cpu_only():
+    assert compiler_options("cpu", runs_once=True) == {"xla_backend_optimization_level": 0}
+    assert compiler_options("cpu", runs_once=False) == {"xla_backend_optimization_level": 2}
+    assert compiler_options("gpu", runs_once=True) == compiler_options("tpu", runs_once=False) == {}
+
+
 @pytest.mark.slow
-def test_training_with_cpu_sorts_learns_the_same_on_one_and_two_devices(tmp_path):
+def test_training_with_cpu_tuning_learns_the_same_bits_on_one_and_two_devices(tmp_path):
     from jaxddppo.train import run
 
     def train(num_devices):
         config = {"env": {"num_envs": 8}, "ppo": {"num_steps": 16, "minibatch_shuffle": "cpu_sorts"},
                   "train": {"total_env_steps": 8 * 16 * 4, "num_shards": 2}, "eval": {"num_episodes": 2},
-                  "run": {"progress": False, "dir": str(tmp_path / str(num_devices))}}
+                  "run": {"progress": False, "dir": str(tmp_path / str(num_devices)), "fast_cpu_compile": True}}
         return run(config, devices=jax.devices()[:num_devices]).summary
 
     one, two = train(1), train(2)
     assert np.isfinite(one["params_digest"])
-    np.testing.assert_allclose(two["params_digest"], one["params_digest"], rtol=1e-6)
+    assert two["params_digest"] == one["params_digest"]

@@ -122,8 +122,8 @@ def _select(done: jax.Array, on_done: Any, otherwise: Any) -> Any:
 class BatchedEnv:
     """A batch of one environment, auto-resetting, with episode statistics.
 
-    Every environment's step key is split in two: the first half steps it, the
-    second resets it if its episode ended. With `optimistic_reset_ratio` r > 1, a
+    Every environment has two keys per step: the first steps it, the second resets it
+    if its episode ended. With `optimistic_reset_ratio` r > 1, a
     step computes only B / r fresh states (from the reset keys of the first B / r
     environments) and gives the k-th environment that finished on it fresh state
     k mod (B / r): worth it when a reset costs far more than a step (Craftax's world
@@ -161,13 +161,14 @@ class BatchedEnv:
         return jax.tree.map(lambda leaf: leaf[slot], (obs, states))
 
     def step(self, key: jax.Array, state: EpisodeState, action: jax.Array) -> tuple[EpisodeState, StepResult]:
-        """Step every environment once; `key` is split into one key per environment."""
-        return self.step_with_keys(jax.random.split(key, action.shape[0]), state, action)
+        """Step every environment once; `key` is split into each environment's step and reset keys."""
+        return self.step_with_keys(jax.random.split(key, (action.shape[0], 2)), state, action)
 
     def step_with_keys(self, keys: jax.Array, state: EpisodeState,
                        action: jax.Array) -> tuple[EpisodeState, StepResult]:
-        """`step` with the per-environment keys [B] given (a rollout splits them for all its steps at once)."""
-        step_keys, reset_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+        """`step` with each environment's (step, reset) keys [B, 2] given (a rollout splits
+        them for all its steps at once)."""
+        step_keys, reset_keys = keys[:, 0], keys[:, 1]
         obs, env_state, reward, terminated, truncated = jax.vmap(self.core.step)(
             step_keys, state.env_state, self._env_action(action)
         )
