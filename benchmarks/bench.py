@@ -34,8 +34,8 @@ Suites:
   guard       this checkout against --baseline: the small config on 1 device, the large
               config on 1 and on 2 devices and a sweep of 32 seeds of the small config on
               2 devices, with this checkout's defaults (reported) and, but for the small
-              config, with its opt-in CPU tuning (guarded: steps/s at least 0.95x, compile
-              at most 1.1x)
+              config, with its opt-in CPU tuning and train.exact_reductions=false (guarded:
+              steps/s at least 0.95x, compile at most 1.1x)
   reductions  the price of train.exact_reductions: the large config on 2 devices, exact
               (the default) against train.exact_reductions=false (a run of one shard runs
               the same program either way)

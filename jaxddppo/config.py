@@ -95,7 +95,7 @@ class PPOConfig:
     normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
     minibatch_shuffle: str = _opt(
         "jax", "how each epoch's order of samples is drawn: jax (jax.random.permutation) or cpu_sorts "
-        "(jaxddppo.cpu_tuning.sort_permutation: other orders, drawn 2.5x as fast by XLA's CPU backend for 262,144 "
+        "(jaxddppo.cpu_tuning.sort_permutation: other orders, drawn 8.7x as fast by XLA's CPU backend for 262,144 "
         "samples)", choices=("jax", "cpu_sorts"),
     )
 
@@ -159,9 +159,9 @@ class RunConfig:
     )
     fast_cpu_compile: bool = _opt(
         False, "on CPU, compile the training programs at XLA's backend optimisation level 2 instead of 3 and the "
-        "initialisation, which runs once, at 0 (jaxddppo.cpu_tuning): about 30 % less compile time for 2048 "
-        "CartPole environments at the same steps/s; results differ from a run without it in the last bits. "
-        "Other platforms: no effect"
+        "initialisation, which runs once, at 0 (jaxddppo.cpu_tuning): 0.71x the compile time for 2048 "
+        "CartPole environments, steps/s no lower (docs/benchmarks.md); results differ from a run without it in "
+        "the last bits. Other platforms: no effect"
     )
 
 

@@ -123,12 +123,11 @@ class BatchedEnv:
     """A batch of one environment, auto-resetting, with episode statistics.
 
     Every environment has two keys per step: the first steps it, the second resets it
-    if its episode ended. With `optimistic_reset_ratio` r > 1, a
-    step computes only B / r fresh states (from the reset keys of the first B / r
-    environments) and gives the k-th environment that finished on it fresh state
-    k mod (B / r): worth it when a reset costs far more than a step (Craftax's world
-    generation), at the price of environments that finish together sometimes
-    starting from the same state.
+    if its episode ended. With `optimistic_reset_ratio` r > 1, a step computes only
+    B / r fresh states (from the reset keys of the first B / r environments) and gives
+    the k-th environment that finished on it fresh state k mod (B / r): worth it when a
+    reset costs far more than a step (Craftax's world generation), at the price of
+    environments that finish together sometimes starting from the same state.
     """
 
     def __init__(self, core: EnvCore, optimistic_reset_ratio: int = 1):
