@@ -414,7 +414,7 @@ def from_dict(values: dict) -> Config:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "run.fast_cpu_compile", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 
