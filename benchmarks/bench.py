@@ -105,7 +105,8 @@ GUARD_SEEDS = 32
 GUARD_MIN_STEPS_RATIO = 0.95
 GUARD_MAX_COMPILE_RATIO = 1.1
 # jaxddppo's opt-in CPU tuning (jaxddppo/cpu_tuning.py), as config sections.
-CPU_TUNING = {"ppo": {"minibatch_shuffle": "cpu_sorts"}, "run": {"fast_cpu_compile": True}}
+CPU_TUNING = {"ppo": {"minibatch_shuffle": "cpu_sorts"}, "run": {"fast_cpu_compile": True},
+              "network": {"dense_gradient": "cpu_transposed"}}
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 PUREJAXRL_URL = "https://github.com/luchris429/purejaxrl"
 EXIT_TRIAL_FAILED, EXIT_BAD_ARGUMENTS, EXIT_GUARD_FAILED = 1, 2, 3

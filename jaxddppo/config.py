@@ -73,6 +73,13 @@ class NetworkConfig:
         choices=("gru", "lstm"),
     )
     recurrent_size: int = _opt(128, "hidden units of the recurrent core")
+    dense_gradient: str = _opt(
+        "autodiff", "how the Dense layers' kernel gradients are computed: autodiff, or cpu_transposed "
+        "(jaxddppo.cpu_tuning.dense_dot_general: the layer's inputs transposed into a matrix of their own, a "
+        "layout XLA's CPU backend multiplies faster; docs/benchmarks.md). The same forward pass; gradients "
+        "differ from autodiff's in the last bits. Recurrent cores and convolutions keep autodiff",
+        choices=("autodiff", "cpu_transposed"),
+    )
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class PPOConfig:
     normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
     minibatch_shuffle: str = _opt(
         "jax", "how each epoch's order of samples is drawn: jax (jax.random.permutation) or cpu_sorts "
-        "(jaxddppo.cpu_tuning.sort_permutation: other orders, drawn 8.7x as fast by XLA's CPU backend for 262,144 "
+        "(jaxddppo.cpu_tuning.sort_permutations: other orders, drawn 8.7x as fast by XLA's CPU backend for 262,144 "
         "samples)", choices=("jax", "cpu_sorts"),
     )
 
@@ -159,9 +166,9 @@ class RunConfig:
     )
     fast_cpu_compile: bool = _opt(
         False, "on CPU, compile the training programs at XLA's backend optimisation level 2 instead of 3 and the "
-        "initialisation, which runs once, at 0 (jaxddppo.cpu_tuning): 0.71x the compile time for 2048 "
-        "CartPole environments, steps/s no lower (docs/benchmarks.md); results differ from a run without it in "
-        "the last bits. Other platforms: no effect"
+        "initialisation, which runs once, at 0 with XLA's older kernel emitter (jaxddppo.cpu_tuning): 0.71x the "
+        "compile time for 2048 CartPole environments, steps/s no lower (docs/benchmarks.md); results differ from a "
+        "run without it in the last bits. Other platforms: no effect"
     )
 
 
@@ -414,7 +421,8 @@ def from_dict(values: dict) -> Config:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "run.fast_cpu_compile", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "run.fast_cpu_compile", "network.dense_gradient", "eval.*", "checkpoint.*", "distributed.*",
+    "debug.*",
 )
 
 

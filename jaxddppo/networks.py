@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import custom_batching
 
+from jaxddppo import cpu_tuning
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import EnvSpec, batch_size
 from jaxddppo.normalization import RunningMoments, normalize
@@ -132,8 +133,12 @@ def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
     return init
 
 
-def _dense(features: int, scale: float) -> nn.Dense:
-    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros)
+def _dense(features: int, scale: float, gradient: str) -> nn.Dense:
+    """A Dense layer; `gradient` is `network.dense_gradient` (autodiff, or cpu_transposed: the kernel
+    gradient of `cpu_tuning.dense_dot_general`)."""
+    dot_general = cpu_tuning.dense_dot_general if gradient == "cpu_transposed" else None
+    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros,
+                    dot_general=dot_general)
 
 
 @struct.dataclass
@@ -161,6 +166,7 @@ class Torso(nn.Module):
     hidden_sizes: Sequence[int]
     activation: str
     cnn_channels: Sequence[int] = ()
+    dense_gradient: str = "autodiff"
 
     @nn.compact
     def __call__(self, inputs: TorsoInputs) -> jax.Array:
@@ -168,7 +174,7 @@ class Torso(nn.Module):
         images = [_convolve(image, self.cnn_channels, act) for image in inputs.images]
         x = jnp.concatenate(images + list(inputs.vectors), axis=-1)
         for width in self.hidden_sizes:
-            x = act(_dense(width, math.sqrt(2.0))(x))
+            x = act(_dense(width, math.sqrt(2.0), self.dense_gradient)(x))
         return x
 
 
@@ -180,14 +186,16 @@ class ActorCriticModule(nn.Module):
     discrete: bool
     num_actions: int
     init_log_std: float
+    dense_gradient: str
 
     @nn.compact
     def __call__(self, inputs: TorsoInputs) -> tuple[Distribution, jax.Array]:
-        torso = lambda name: Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)
+        torso = lambda name: Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dense_gradient,
+                                   name=name)
         actor_features = torso("torso" if self.shared_torso else "actor_torso")(inputs)
         critic_features = actor_features if self.shared_torso else torso("critic_torso")(inputs)
-        value = _dense(1, 1.0)(critic_features)[..., 0]
-        head = _dense(self.num_actions, 0.01)(actor_features)
+        value = _dense(1, 1.0, self.dense_gradient)(critic_features)[..., 0]
+        head = _dense(self.num_actions, 0.01, self.dense_gradient)(actor_features)
         if self.discrete:
             return Categorical(head), value
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
@@ -217,6 +225,7 @@ class RecurrentActorCriticModule(nn.Module):
     discrete: bool
     num_actions: int
     init_log_std: float
+    dense_gradient: str
     recurrent: str
     recurrent_size: int
 
@@ -227,14 +236,14 @@ class RecurrentActorCriticModule(nn.Module):
         names = ("torso",) if self.shared_torso else ("actor_torso", "critic_torso")
         new_carry, features = [], []
         for name, core_carry in zip(names, carry):
-            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(inputs)
+            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dense_gradient, name=name)(inputs)
             core_carry = jax.tree.map(lambda c: jnp.where(episode_start[:, None], 0.0, c), core_carry)
             core_carry, out = _recurrent_cell(self.recurrent, self.recurrent_size, f"{name}_core")(core_carry, x)
             new_carry.append(core_carry)
             features.append(out)
         actor_features, critic_features = features[0], features[-1]
-        value = _dense(1, 1.0)(critic_features)[..., 0]
-        head = _dense(self.num_actions, 0.01)(actor_features)
+        value = _dense(1, 1.0, self.dense_gradient)(critic_features)[..., 0]
+        head = _dense(self.num_actions, 0.01, self.dense_gradient)(actor_features)
         if self.discrete:
             return tuple(new_carry), Categorical(head), value
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
@@ -353,6 +362,7 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
         "discrete": spec.discrete,
         "num_actions": spec.num_actions,
         "init_log_std": config.init_log_std,
+        "dense_gradient": config.dense_gradient,
     }
     if config.recurrent is not None:
         return _recurrent_actor_critic(config, RecurrentActorCriticModule(

@@ -285,8 +285,9 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 def epoch_permutations(key: jax.Array, num_items: int, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch, drawn as
     `ppo.minibatch_shuffle` says."""
-    permute = cpu_tuning.sort_permutation if settings.minibatch_shuffle == "cpu_sorts" else jax.random.permutation
-    return jax.vmap(lambda k: permute(k, num_items))(jax.random.split(key, settings.num_epochs))
+    if settings.minibatch_shuffle == "cpu_sorts":
+        return cpu_tuning.sort_permutations(key, settings.num_epochs, num_items)
+    return jax.vmap(lambda k: jax.random.permutation(k, num_items))(jax.random.split(key, settings.num_epochs))
 
 
 def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
@@ -443,6 +444,14 @@ def _moments(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.mean(x), jnp.mean(jnp.square(x))])
 
 
+def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
+    """The rollout's and the epochs' keys [2] of update `update_index`: the shard's key folded
+    with 2 x update_index and 2 x update_index + 1, in one Threefry call (XLA's CPU backend
+    compiles each call into a loop of its own)."""
+    indices = 2 * update_index.astype(jnp.uint32) + jnp.arange(2, dtype=jnp.uint32)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(shard_key, indices)
+
+
 def make_update(
     env: BatchedEnv, network: ActorCritic, settings: UpdateSettings
 ) -> Callable[[TrainState, PPOHyperparams], tuple[TrainState, UpdateMetrics]]:
@@ -455,7 +464,7 @@ def make_update(
         params, opt_state = one_copy(state.params), one_copy(state.opt_state)
         obs_moments, return_moments = one_copy(state.obs_moments), one_copy(state.return_moments)
         update_index = one_copy(state.update_index)
-        keys = shards.map_batched(lambda key: jax.random.split(jax.random.fold_in(key, update_index)), state.key)
+        keys = shards.map_batched(lambda key: update_keys(key, update_index), state.key)
         key_rollout, key_epochs = keys[:, 0], keys[:, 1]
 
         def policy(params: Any, carry: Any, obs: Any, episode_start: Any) -> tuple[Any, Any, jax.Array]:

@@ -86,8 +86,10 @@ def test_a_tuned_trial_runs_with_the_opt_in_cpu_options(tmp_path):
         written = bench.jaxddppo_config(bench.CONFIGS["large"], tmp_path / "run", cpu_tuning=cpu_tuning)
         config = from_dict(written)
         assert (config.ppo.minibatch_shuffle, config.run.fast_cpu_compile) == (shuffle, cpu_tuning)
+        assert config.network.dense_gradient == ("cpu_transposed" if cpu_tuning else "autodiff")
         # A baseline may predate the options.
         assert ("minibatch_shuffle" in written["ppo"]) == ("fast_cpu_compile" in written["run"]) == cpu_tuning
+        assert ("dense_gradient" in written["network"]) == cpu_tuning
 
 
 def test_each_peer_gets_the_peer_suites_rows():

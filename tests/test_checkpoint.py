@@ -330,7 +330,9 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
     assert str(stopped_at) in os.listdir(run_dir / "checkpoints")
     assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 1))
     total = (stopped_at + 2) * 128
-    result = finish(run_dir, [f"train.total_env_steps={total}", "run.fast_cpu_compile=true"])  # both resumable
+    # All three are resumable.
+    result = finish(run_dir, [f"train.total_env_steps={total}", "run.fast_cpu_compile=true",
+                              "network.dense_gradient=cpu_transposed"])
     assert result.returncode == 0, result.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/{stopped_at}" in result.stderr
     assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 3))

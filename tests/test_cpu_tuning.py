@@ -1,6 +1,7 @@
 """jaxddppo.cpu_tuning: the opt-in shuffle is a uniformly random permutation, drawn as the
 stable sorts it describes, and training takes it through ppo.minibatch_shuffle; the opt-in
-compiler options reach every program and start training from the same state."""
+compiler options reach every program and start training from the same state; the opt-in
+Dense product has Dense's forward pass and the gradients of a float64 NumPy reference."""
 
 import collections
 import itertools
@@ -12,37 +13,43 @@ import numpy as np
 import pytest
 
 from conftest import host_leaves
-from jaxddppo.cpu_tuning import compiler_options, sort_permutation
+from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, sort_permutations
 from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
 
 
-def reference_permutation(key: jax.Array, n: int) -> np.ndarray:
+def reference_permutations(key: jax.Array, num_permutations: int, n: int) -> np.ndarray:
     """The same rounds in NumPy: each a stable argsort by the round's 32 random bits alone."""
     num_rounds = math.ceil(3 * math.log2(n) / 32)
-    order = np.arange(n)
-    for random_words in np.asarray(jax.random.bits(key, (num_rounds, n), jnp.uint32)):
-        order = order[np.argsort(random_words, kind="stable")]
-    return order
+    all_random_words = np.asarray(jax.random.bits(key, (num_permutations, num_rounds, n), jnp.uint32))
+    orders = []
+    for permutation_words in all_random_words:
+        order = np.arange(n)
+        for random_words in permutation_words:
+            order = order[np.argsort(random_words, kind="stable")]
+        orders.append(order)
+    return np.stack(orders)
 
 
-@pytest.mark.parametrize("n", [2, 3, 7, 512, 4096, 300_000, 3_000_000])
-def test_sort_permutation_is_the_stable_sorts_of_its_random_keys(n):
+@pytest.mark.parametrize("num_permutations, n", [(1, 2), (2, 3), (3, 7), (4, 512), (1, 4096), (2, 300_000),
+                                                 (1, 3_000_000)])
+def test_sort_permutations_are_the_stable_sorts_of_their_random_keys(num_permutations, n):
     key = jax.random.key(n)
-    got = np.asarray(jax.jit(sort_permutation, static_argnums=1)(key, n))
-    assert got.dtype == np.int32
-    np.testing.assert_array_equal(np.sort(got), np.arange(n))
-    np.testing.assert_array_equal(got, reference_permutation(key, n))
+    got = np.asarray(jax.jit(sort_permutations, static_argnums=(1, 2))(key, num_permutations, n))
+    assert got.dtype == np.int32 and got.shape == (num_permutations, n)
+    for order in got:
+        np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    np.testing.assert_array_equal(got, reference_permutations(key, num_permutations, n))
     assert jnp.arange(2).dtype == jnp.int32  # its 64-bit block is over once it is traced
 
 
-def test_sort_permutation_of_one_or_no_element():
-    np.testing.assert_array_equal(sort_permutation(jax.random.key(0), 1), [0])
-    assert sort_permutation(jax.random.key(0), 0).shape == (0,)
+def test_sort_permutations_of_one_or_no_element():
+    np.testing.assert_array_equal(sort_permutations(jax.random.key(0), 2, 1), [[0], [0]])
+    assert sort_permutations(jax.random.key(0), 3, 0).shape == (3, 0)
 
 
-def test_sort_permutation_draws_every_order_equally_often():
+def test_sort_permutations_draw_every_order_equally_often():
     draws = 24_000
-    orders = jax.jit(jax.vmap(lambda key: sort_permutation(key, 4)))(jax.random.split(jax.random.key(1), draws))
+    orders = jax.jit(sort_permutations, static_argnums=(1, 2))(jax.random.key(1), draws, 4)
     counts = collections.Counter(tuple(int(i) for i in row) for row in np.asarray(orders))
     assert set(counts) == set(itertools.permutations(range(4)))
     expected = draws / 24  # 1000, standard deviation about 31
@@ -64,7 +71,7 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
             np.testing.assert_array_equal(np.sort(epoch), np.arange(size))
         assert not np.array_equal(epochs[0], epochs[1])
     if shuffle == "cpu_sorts":
-        np.testing.assert_array_equal(samples[0], sort_permutation(jax.random.split(key, 3)[0], 64))
+        np.testing.assert_array_equal(samples, sort_permutations(key, 3, 64))
     else:
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
 
@@ -95,7 +102,8 @@ def test_fast_cpu_compile_compiles_at_lower_levels_the_same_initial_state(monkey
 
 
 def test_compiler_options_lower_levels_on_cpu_only():
-    assert compiler_options("cpu", runs_once=True) == {"xla_backend_optimization_level": 0}
+    assert compiler_options("cpu", runs_once=True) == {"xla_backend_optimization_level": 0,
+                                                        "xla_cpu_use_fusion_emitters": False}
     assert compiler_options("cpu", runs_once=False) == {"xla_backend_optimization_level": 2}
     assert compiler_options("gpu", runs_once=True) == compiler_options("tpu", runs_once=False) == {}
 
@@ -107,9 +115,88 @@ def test_training_with_cpu_tuning_learns_the_same_bits_on_one_and_two_devices(tm
     def train(num_devices):
         config = {"env": {"num_envs": 8}, "ppo": {"num_steps": 16, "minibatch_shuffle": "cpu_sorts"},
                   "train": {"total_env_steps": 8 * 16 * 4, "num_shards": 2}, "eval": {"num_episodes": 2},
+                  "network": {"dense_gradient": "cpu_transposed"},
                   "run": {"progress": False, "dir": str(tmp_path / str(num_devices)), "fast_cpu_compile": True}}
         return run(config, devices=jax.devices()[:num_devices]).summary
 
     one, two = train(1), train(2)
     assert np.isfinite(one["params_digest"])
     assert two["params_digest"] == one["params_digest"]
+
+
+DENSE_DIMENSIONS = (((2,), (0,)), ((), ()))  # what flax.linen.Dense asks of [3, 5, 7] inputs
+
+
+def dense_case(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Inputs [3, 5, 7], a kernel [7, 4] and an output cotangent [3, 5, 4]."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (3, 5, 7)), jax.random.normal(keys[1], (7, 4)),
+            jax.random.normal(keys[2], (3, 5, 4)))
+
+
+def test_dense_dot_general_has_dense_forward_pass_and_numpy_gradients():
+    inputs, kernel, cotangent = dense_case()
+    np.testing.assert_array_equal(dense_dot_general(inputs, kernel, DENSE_DIMENSIONS),
+                                  jax.lax.dot_general(inputs, kernel, DENSE_DIMENSIONS))
+
+    def loss(product, inputs, kernel):
+        return jnp.sum(product(inputs, kernel, DENSE_DIMENSIONS) * cotangent)
+
+    inputs_grad, kernel_grad = jax.grad(loss, argnums=(1, 2))(dense_dot_general, inputs, kernel)
+    x, w, g = (np.asarray(a, np.float64) for a in (inputs, kernel, cotangent))
+    np.testing.assert_allclose(kernel_grad, x.reshape(-1, 7).T @ g.reshape(-1, 4), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(inputs_grad, g @ w.T, rtol=1e-5, atol=1e-5)
+    autodiff = jax.grad(loss, argnums=(1, 2))(jax.lax.dot_general, inputs, kernel)
+    np.testing.assert_allclose(kernel_grad, autodiff[1], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(inputs_grad, autodiff[0])
+
+
+def test_dense_dot_general_gradients_under_vmap_are_each_members():
+    """A sweep's members (vmapped) get the gradients each would get alone."""
+    cases = [dense_case(seed) for seed in range(2)]
+    stacked = [jnp.stack(arrays) for arrays in zip(*cases)]
+
+    def kernel_grad(inputs, kernel, cotangent):
+        return jax.grad(lambda k: jnp.sum(dense_dot_general(inputs, k, DENSE_DIMENSIONS) * cotangent))(kernel)
+
+    batched = jax.vmap(kernel_grad)(*stacked)
+    for member, case in enumerate(cases):
+        np.testing.assert_allclose(batched[member], kernel_grad(*case), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dimensions, options", [
+    ((((0,), (0,)), ((), ())), {}),
+    (DENSE_DIMENSIONS, {"precision": jax.lax.Precision.HIGHEST}),
+])
+def test_dense_dot_general_refuses_other_products(dimensions, options):
+    inputs, kernel, _ = dense_case()
+    with pytest.raises(ValueError, match="dense_dot_general takes"):
+        dense_dot_general(inputs, kernel, dimensions, **options)
+
+
+def test_network_dense_gradient_changes_gradients_only_in_the_last_bits():
+    """network.dense_gradient=cpu_transposed: the same parameters and outputs, gradients within
+    float32 rounding of autodiff's."""
+    from jaxddppo.config import NetworkConfig
+    from jaxddppo.envs import make_env
+    from jaxddppo.networks import make_actor_critic
+
+    spec = make_env("CartPole-v1").spec
+    obs = jax.random.normal(jax.random.key(1), (32, *spec.observation.shape))
+    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8), dense_gradient=gradient), spec)
+                for gradient in ("autodiff", "cpu_transposed")]
+    params = [network.init(jax.random.key(0), obs) for network in networks]
+    for got, want in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[0]), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    def loss(network, params):
+        dist, value = network.apply(params, obs)
+        return jnp.sum(dist.log_prob(jnp.arange(32) % 2)) + jnp.sum(jnp.square(value))
+
+    np.testing.assert_array_equal(loss(networks[1], params[0]), loss(networks[0], params[0]))
+    grads = [jax.grad(loss, argnums=1)(network, params[0]) for network in networks]
+    barriers = [str(jax.make_jaxpr(jax.grad(loss, argnums=1), static_argnums=0)(network, params[0])).count(
+        "optimization_barrier") for network in networks]
+    assert barriers == [0, 3 * 2]  # one per Dense layer: two hidden per torso, a value and a policy head
+    for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
