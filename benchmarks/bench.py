@@ -105,7 +105,7 @@ GUARD_SEEDS = 32
 GUARD_MIN_STEPS_RATIO = 0.95
 GUARD_MAX_COMPILE_RATIO = 1.1
 # jaxddppo's opt-in CPU tuning (jaxddppo/cpu_tuning.py), as config sections.
-CPU_TUNING = {"ppo": {"minibatch_shuffle": "cpu_sorts"}, "run": {"fast_cpu_compile": True},
+CPU_TUNING = {"ppo": {"minibatch_shuffle": "cpu_sorts", "flat_optimizer": True}, "run": {"fast_cpu_compile": True},
               "network": {"dense_gradient": "cpu_transposed"}}
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 PUREJAXRL_URL = "https://github.com/luchris429/purejaxrl"

@@ -105,6 +105,12 @@ class PPOConfig:
         "(jaxddppo.cpu_tuning.sort_permutations: other orders, drawn 8.7x as fast by XLA's CPU backend for 262,144 "
         "samples)", choices=("jax", "cpu_sorts"),
     )
+    flat_optimizer: bool = _opt(
+        False, "clip and apply Adam to the parameters laid end to end in one vector (jaxddppo.cpu_tuning."
+        "flat_optimizer, optax.flatten): fewer, larger kernels, which XLA's CPU backend compiles and runs faster "
+        "(docs/benchmarks.md). The same arithmetic but for the order of the global norm's sum; the optimizer state "
+        "is one vector per statistic, so a checkpoint resumes only with the setting it was saved with"
+    )
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class UpdateSettings:
     normalize_observations: bool
     scale_rewards: bool
     minibatch_shuffle: str = "jax"  # ppo.minibatch_shuffle
+    flat_optimizer: bool = False  # ppo.flat_optimizer
     exact_reductions: bool = True  # train.exact_reductions
 
     @classmethod
@@ -94,6 +95,7 @@ class UpdateSettings:
             normalize_observations=config.env.normalize_observations,
             scale_rewards=config.env.scale_rewards,
             minibatch_shuffle=ppo.minibatch_shuffle,
+            flat_optimizer=ppo.flat_optimizer,
             exact_reductions=config.train.exact_reductions,
         )
 
@@ -214,12 +216,14 @@ def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings:
 
 
 def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
-    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
-    return optax.chain(
+    """Global-norm clipping, then Adam, then the (annealed) learning rate; over the parameter
+    tree, or over one vector with `ppo.flat_optimizer` (`cpu_tuning.flat_optimizer`)."""
+    optimizer = optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
         optax.scale_by_adam(eps=hyperparams.adam_eps),
         optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
     )
+    return cpu_tuning.flat_optimizer(optimizer) if settings.flat_optimizer else optimizer
 
 
 def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:

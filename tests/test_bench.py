@@ -87,6 +87,7 @@ def test_a_tuned_trial_runs_with_the_opt_in_cpu_options(tmp_path):
         config = from_dict(written)
         assert (config.ppo.minibatch_shuffle, config.run.fast_cpu_compile) == (shuffle, cpu_tuning)
         assert config.network.dense_gradient == ("cpu_transposed" if cpu_tuning else "autodiff")
+        assert config.ppo.flat_optimizer is cpu_tuning
         # A baseline may predate the options.
         assert ("minibatch_shuffle" in written["ppo"]) == ("fast_cpu_compile" in written["run"]) == cpu_tuning
         assert ("dense_gradient" in written["network"]) == cpu_tuning

@@ -104,6 +104,8 @@ def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):
         load_resume_config(one_go.run_dir, ["ppo.learning_rate=0.1"])
     with pytest.raises(ConfigError, match=r"^train\.num_shards=2 cannot change on resume"):
         load_resume_config(one_go.run_dir, ["train.num_shards=2"])
+    with pytest.raises(ConfigError, match=r"^ppo\.flat_optimizer=True cannot change on resume"):
+        load_resume_config(one_go.run_dir, ["ppo.flat_optimizer=true"])  # the optimizer state's layout
     with pytest.raises(ConfigError, match="run directory /nonexistent does not exist"):
         load_resume_config("/nonexistent")
     config = load_resume_config(one_go.run_dir, ["train.total_env_steps=4096", "checkpoint.keep=5"])

@@ -113,7 +113,8 @@ def test_training_with_cpu_tuning_learns_the_same_bits_on_one_and_two_devices(tm
     from jaxddppo.train import run
 
     def train(num_devices):
-        config = {"env": {"num_envs": 8}, "ppo": {"num_steps": 16, "minibatch_shuffle": "cpu_sorts"},
+        config = {"env": {"num_envs": 8},
+                  "ppo": {"num_steps": 16, "minibatch_shuffle": "cpu_sorts", "flat_optimizer": True},
                   "train": {"total_env_steps": 8 * 16 * 4, "num_shards": 2}, "eval": {"num_episodes": 2},
                   "network": {"dense_gradient": "cpu_transposed"},
                   "run": {"progress": False, "dir": str(tmp_path / str(num_devices)), "fast_cpu_compile": True}}
@@ -200,3 +201,23 @@ def test_network_dense_gradient_changes_gradients_only_in_the_last_bits():
     assert barriers == [0, 3 * 2]  # one per Dense layer: two hidden per torso, a value and a policy head
     for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flat_optimizer_state_is_one_vector_per_statistic():
+    """ppo.flat_optimizer: Adam's moments are one vector each, as long as all parameters together
+    (tests/test_maths.py checks its steps against a float64 reference)."""
+    import optax
+
+    from jaxddppo.config import PPOConfig
+    from jaxddppo.ppo import PPOHyperparams, optimizer_state
+
+    params = {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4), "log_std": jnp.zeros(2)}
+    settings = UpdateSettings(
+        num_steps=8, num_epochs=1, num_minibatches=1, minibatch_size=8, num_shards=1, num_updates=1,
+        clip_value=True, normalize_advantages=True, anneal_lr=False, num_envs=1, recurrent=False,
+        critic_after_steps=False, normalize_observations=False, scale_rewards=False, flat_optimizer=True,
+    )
+    state = optimizer_state(params, PPOHyperparams.from_config(PPOConfig()), settings)
+    is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)
+    (adam,) = [node for node in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(node)]
+    assert adam.mu.shape == adam.nu.shape == (12 + 4 + 2,)
