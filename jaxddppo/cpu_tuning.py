@@ -21,7 +21,7 @@ a layout XLA's CPU backend multiplies faster than the one autodiff leaves it.
 
 `ppo.flat_optimizer` runs the gradient clipping and Adam through `flat_optimizer`, on the
 parameters laid end to end in one vector: a few kernels per SGD step instead of a few per
-parameter array, which XLA's CPU backend compiles and runs faster.
+parameter array, which XLA's CPU backend compiles faster.
 """
 
 from __future__ import annotations
