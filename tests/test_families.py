@@ -119,7 +119,11 @@ def test_a_normalising_run_evaluates_and_its_policy_loads_and_acts_legally(famil
     assert policy.counters.update == 2 and policy.obs_moments is not None
     obs, _ = policy.env.reset(jax.random.key(1), 5)
     actions = np.asarray(policy(obs))
-    assert actions.shape == (5,) and ((0 <= actions) & (actions < policy.env.spec.num_actions)).all()
-    mask_key = policy.env.spec.action_mask_key
+    spec = policy.env.spec
+    if not spec.discrete:  # the environment clips continuous actions into its bounds
+        assert actions.shape == (5, spec.num_actions) and np.isfinite(actions).all()
+        return
+    assert actions.shape == (5,) and ((0 <= actions) & (actions < spec.num_actions)).all()
+    mask_key = spec.action_mask_key
     if mask_key is not None:
         assert np.asarray(obs[mask_key])[np.arange(5), actions].all()
