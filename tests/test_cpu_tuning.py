@@ -1,7 +1,8 @@
 """jaxddppo.cpu_tuning: the opt-in shuffle is a uniformly random permutation, drawn as the
 stable sorts it describes, and training takes it through ppo.minibatch_shuffle; the opt-in
 compiler options reach every program and start training from the same state; the opt-in
-Dense product has Dense's forward pass and the gradients of a float64 NumPy reference."""
+Dense product has Dense's forward pass and the gradients of a float64 NumPy reference; the
+opt-in flat optimizer keeps one vector per statistic."""
 
 import collections
 import itertools
