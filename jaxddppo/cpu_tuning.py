@@ -80,7 +80,7 @@ def dense_dot_general(
     """`jax.lax.dot_general` as `flax.linen.Dense` calls it (the inputs' last axis against a
     [in, out] kernel's first), with the same forward pass and a kernel gradient
     `barrier(inputs reshaped to [N, in]).T @ output gradient reshaped to [N, out]`."""
-    expected = (((inputs.ndim - 1,), (0,)), ((), ()))
+    expected = _dense_dimension_numbers(inputs.ndim)
     if kernel.ndim != 2 or jax.tree.map(int, dimension_numbers) != expected:
         raise ValueError(f"dense_dot_general takes a Dense layer's product {expected} with a 2-D kernel, got "
                          f"{dimension_numbers} with kernel shape {kernel.shape}")
@@ -90,8 +90,13 @@ def dense_dot_general(
     return _dense_product(inputs, kernel)
 
 
+def _dense_dimension_numbers(inputs_ndim: int) -> tuple:
+    """Dense's product: the inputs' last axis against the kernel's first, no batch axes."""
+    return (((inputs_ndim - 1,), (0,)), ((), ()))
+
+
 def _forward_product(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())))
+    return jax.lax.dot_general(inputs, kernel, _dense_dimension_numbers(inputs.ndim))
 
 
 @jax.custom_vjp
