@@ -41,8 +41,9 @@ class EnvConfig:
     )
     num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
     optimistic_reset_ratio: int = _opt(
-        1, "r > 1: each step computes num_envs/num_shards/r fresh states per shard, shared by the environments "
-        "that finished on it (for costly resets, e.g. Craftax); 1: every finished environment resets on its own"
+        1, "the reset pool holds num_envs/num_shards/r fresh start states per shard, refilled when used up; 1: one "
+        "per environment, every episode starts from its own; r > 1: less memory, and environments beyond the "
+        "pool's size that finish on one step share states"
     )
     normalize_observations: bool = _opt(
         False, "normalise observations by a running mean and variance over all shards' rollouts"

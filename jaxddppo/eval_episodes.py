@@ -55,10 +55,11 @@ def evaluate_policy(
 
     The policy acts as in training (`networks.policy_step`): observations
     normalised by `obs_moments` if given, recurrent carry from fresh episodes.
-    Episodes that reach the time limit count as ended. Jittable.
+    Episodes that reach the time limit count as ended; an environment whose episode
+    ended is not restarted (no reset work). Jittable.
     """
     key_reset, key_steps = jax.random.split(key)
-    obs, env_state = env.reset(key_reset, num_episodes)
+    obs, env_state = env.reset(key_reset, num_episodes, auto_reset=False)
     zeros = jnp.zeros((num_episodes,), jnp.float32)
     episode_start = jnp.ones((num_episodes,), bool) if network.recurrent else None
     init = _EvalCarry(
@@ -77,7 +78,8 @@ def evaluate_policy(
         policy_carry, dist, _ = policy_step(
             network, params, obs_moments, carry.policy_carry, carry.obs, carry.episode_start
         )
-        env_state, result = env.step(jax.random.fold_in(key_steps, carry.step), carry.env_state, dist.mode())
+        env_state, result = env.step_without_reset(jax.random.fold_in(key_steps, carry.step), carry.env_state,
+                                                   dist.mode())
         done = result.terminated | result.truncated
         ended = jnp.logical_and(done, jnp.logical_not(carry.finished))
         return _EvalCarry(

@@ -1,10 +1,10 @@
 """The environment protocol, and the one batched, auto-resetting environment built on it.
 
 A family adapter implements `EnvCore`: one environment, functional, jittable,
-*without* automatic reset. `BatchedEnv` vmaps a core over a batch, resets the
-environments whose episode ended (each its own reset, or optimistic resets: a few
-fresh states per step shared among the environments that finished) and keeps the
-episode statistics. The rollout and evaluation see only `BatchedEnv`.
+*without* automatic reset. `BatchedEnv` vmaps a core over a batch, restarts the
+environments whose episode ended from a pool of fresh states (`resets.py`: reset work
+only when episodes end) and keeps the episode statistics. The rollout and evaluation
+see only `BatchedEnv`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddppo.config import ConfigError
+from jaxddppo.envs.resets import ResetPool, empty_pool, restart_finished
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class EpisodeState:
     env_state: Any
     episode_return: jax.Array  # [B] return so far of the running episode
     episode_length: jax.Array  # [B]
+    reset_pool: Optional[ResetPool] = None  # fresh start states; None where episodes are not restarted
 
 
 @struct.dataclass
@@ -110,24 +112,15 @@ def random_actions(spec: EnvSpec, key: jax.Array, obs: Any) -> jax.Array:
     return jax.random.categorical(key, jnp.where(obs[spec.action_mask_key], 0.0, -jnp.inf))
 
 
-def _select(done: jax.Array, on_done: Any, otherwise: Any) -> Any:
-    """Leaf by leaf, `on_done` where `done` [B] holds, else `otherwise` (leaves [B, ...])."""
-
-    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
-        return jnp.where(done.reshape(done.shape + (1,) * (a.ndim - 1)), a, b)
-
-    return jax.tree.map(pick, on_done, otherwise)
-
-
 class BatchedEnv:
     """A batch of one environment, auto-resetting, with episode statistics.
 
-    Every environment has two keys per step: the first steps it, the second resets it
-    if its episode ended. With `optimistic_reset_ratio` r > 1, a step computes only
-    B / r fresh states (from the reset keys of the first B / r environments) and gives
-    the k-th environment that finished on it fresh state k mod (B / r): worth it when a
-    reset costs far more than a step (Craftax's world generation), at the price of
-    environments that finish together sometimes starting from the same state.
+    Every environment has two keys per step: the first steps it, the second is its share
+    of the reset keys a refill of the reset pool uses on that step. The pool holds
+    `num_envs // optimistic_reset_ratio` fresh states (at least one); with the default
+    ratio 1 it holds one per environment and every episode starts from a state of its own.
+    A larger ratio keeps a smaller pool (less memory, more frequent and smaller refills);
+    when more environments finish on one step than it holds, some start from the same state.
     """
 
     def __init__(self, core: EnvCore, optimistic_reset_ratio: int = 1):
@@ -137,10 +130,19 @@ class BatchedEnv:
         self.spec = core.spec
         self.optimistic_reset_ratio = optimistic_reset_ratio
 
-    def reset(self, key: jax.Array, num_envs: int) -> tuple[Any, EpisodeState]:
-        obs, env_state = jax.vmap(self.core.reset)(jax.random.split(key, num_envs))
+    def _reset_batch(self, keys: jax.Array) -> tuple[Any, Any]:
+        obs, env_state = jax.vmap(self.core.reset)(keys)
+        return float_observation(obs), strongly_typed(env_state)
+
+    def reset(self, key: jax.Array, num_envs: int, auto_reset: bool = True) -> tuple[Any, EpisodeState]:
+        """First observations and states of `num_envs` environments; with `auto_reset=False`
+        no reset pool (for `step_without_reset`, each environment running one episode)."""
+        obs, env_state = self._reset_batch(jax.random.split(key, num_envs))
         zeros = jnp.zeros((num_envs,), jnp.float32)
-        return float_observation(obs), EpisodeState(env_state, zeros, jnp.zeros((num_envs,), jnp.int32))
+        pool = None
+        if auto_reset:
+            pool = empty_pool(obs, env_state, max(1, num_envs // self.optimistic_reset_ratio))
+        return obs, EpisodeState(env_state, zeros, jnp.zeros((num_envs,), jnp.int32), pool)
 
     def _env_action(self, action: jax.Array) -> jax.Array:
         if self.spec.discrete:
@@ -148,16 +150,6 @@ class BatchedEnv:
         low = jnp.asarray(self.spec.action_low, jnp.float32)
         high = jnp.asarray(self.spec.action_high, jnp.float32)
         return jnp.clip(action, low, high)
-
-    def _fresh_states(self, reset_keys: jax.Array, done: jax.Array) -> tuple[Any, Any]:
-        """(observations, states) [B, ...] that the environments where `done` restart from."""
-        num_envs = done.shape[0]
-        if self.optimistic_reset_ratio == 1:
-            return jax.vmap(self.core.reset)(reset_keys)
-        num_resets = max(1, num_envs // self.optimistic_reset_ratio)
-        obs, states = jax.vmap(self.core.reset)(reset_keys[:num_resets])
-        slot = (jnp.cumsum(done) - 1) % num_resets
-        return jax.tree.map(lambda leaf: leaf[slot], (obs, states))
 
     def step(self, key: jax.Array, state: EpisodeState, action: jax.Array) -> tuple[EpisodeState, StepResult]:
         """Step every environment once; `key` is split into each environment's step and reset keys."""
@@ -167,7 +159,27 @@ class BatchedEnv:
                        action: jax.Array) -> tuple[EpisodeState, StepResult]:
         """`step` with each environment's (step, reset) keys [B, 2] given (a rollout splits
         them for all its steps at once)."""
-        step_keys, reset_keys = keys[:, 0], keys[:, 1]
+        if state.reset_pool is None:
+            raise ValueError("this EpisodeState has no reset pool: make it with reset(..., auto_reset=True)")
+        new_state, result = self._step_episodes(keys[:, 0], state, action)
+        done = jnp.logical_or(result.terminated, result.truncated)
+        pool, obs, env_state = restart_finished(self._reset_batch, state.reset_pool, keys[:, 1], done,
+                                                result.final_obs, new_state.env_state)
+        new_state = new_state.replace(env_state=env_state, reset_pool=pool)
+        return new_state, result.replace(obs=obs)
+
+    def step_without_reset(self, key: jax.Array, state: EpisodeState,
+                           action: jax.Array) -> tuple[EpisodeState, StepResult]:
+        """Step every environment once and restart none: an environment whose episode ended
+        steps on from where it ended (evaluation, which reads each environment's first
+        episode only). `key` is split as `step` splits it, so the steps are the same."""
+        keys = jax.random.split(key, (action.shape[0], 2))
+        return self._step_episodes(keys[:, 0], state, action)
+
+    def _step_episodes(self, step_keys: jax.Array, state: EpisodeState,
+                       action: jax.Array) -> tuple[EpisodeState, StepResult]:
+        """The core's step of every environment and the episode statistics; `obs` is the
+        observation reached (no restart) and the episode counters restart where one ended."""
         obs, env_state, reward, terminated, truncated = jax.vmap(self.core.step)(
             step_keys, state.env_state, self._env_action(action)
         )
@@ -175,12 +187,11 @@ class BatchedEnv:
         terminated = jnp.asarray(terminated, bool)
         truncated = jnp.logical_and(jnp.asarray(truncated, bool), jnp.logical_not(terminated))
         done = jnp.logical_or(terminated, truncated)
-        fresh_obs, fresh_states = self._fresh_states(reset_keys, done)
         final_obs = float_observation(obs)
         episode_return = state.episode_return + reward
         episode_length = state.episode_length + 1
         result = StepResult(
-            obs=_select(done, float_observation(fresh_obs), final_obs),
+            obs=final_obs,
             reward=reward,
             terminated=terminated,
             truncated=truncated,
@@ -188,10 +199,10 @@ class BatchedEnv:
             episode_return=jnp.where(done, episode_return, 0.0),
             episode_length=jnp.where(done, episode_length, 0),
         )
-        new_state = EpisodeState(
-            _select(done, fresh_states, env_state),
-            jnp.where(done, 0.0, episode_return),
-            jnp.where(done, 0, episode_length),
+        new_state = state.replace(
+            env_state=strongly_typed(env_state),
+            episode_return=jnp.where(done, 0.0, episode_return),
+            episode_length=jnp.where(done, 0, episode_length),
         )
         return new_state, result
 

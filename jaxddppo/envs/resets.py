@@ -1,0 +1,123 @@
+"""Resets paid only when episodes end: a pool of fresh start states, refilled a batch at a time.
+
+`BatchedEnv` keeps, beside its environments, a `ResetPool` of fresh (observation, state)
+pairs made by the core's own `reset`. An environment whose episode ends takes the next
+unused pair, so every episode starts from its own fresh random state; the pool is refilled
+(every slot at once, one batched reset) only when the environments ending on a step need
+more pairs than it has left. A step on which no episode ends does no reset work, and the
+total is about one reset per episode that ends: on a GPU, where a long reset (MJX's settling
+steps) is latency paid per call, few large refills beat many small ones.
+
+Both decisions are `cond_across_batch`: a `lax.cond` that stays a branch under `vmap`
+(batched sweep members, batched shards, batched evaluation), taken when any member of the
+batch needs it. A plain `lax.cond` under `vmap` becomes a `select` that computes both sides.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+def _where(condition: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Leaf by leaf, `on_true` where `condition` [B] holds, else `on_false` (leaves [B, ...])."""
+
+    def pick(a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.where(condition.reshape(condition.shape + (1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, on_true, on_false)
+
+
+def cond_across_batch(predicate: jax.Array, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any],
+                      operands: Any) -> Any:
+    """`lax.cond(predicate, true_fn, false_fn, operands)` that stays a branch under `vmap`.
+
+    Batched, the branch runs when the predicate holds for any member, and each member keeps
+    `true_fn`'s result only where its own predicate holds, `false_fn`'s otherwise: every
+    member computes what it would alone, and a batch in which no member needs `true_fn` skips
+    it. Nested `vmap`s nest the rule (the batched call is itself a `cond_across_batch`).
+    """
+
+    @jax.custom_batching.custom_vmap
+    def branch(predicate: jax.Array, operands: Any) -> Any:
+        return jax.lax.cond(predicate, true_fn, false_fn, operands)
+
+    @branch.def_vmap
+    def batched(axis_size: int, in_batched: tuple[Any, Any], predicate: jax.Array, operands: Any
+                ) -> tuple[Any, Any]:
+        predicate_batched, operands_batched = in_batched
+        operands = jax.tree.map(
+            lambda leaf, is_batched: leaf if is_batched else jnp.broadcast_to(leaf, (axis_size, *jnp.shape(leaf))),
+            operands, operands_batched)
+        true_batched, false_batched = jax.vmap(true_fn), jax.vmap(false_fn)
+        if not predicate_batched:
+            out = cond_across_batch(predicate, true_batched, false_batched, operands)
+        else:
+            def where_true(args: tuple[jax.Array, Any]) -> Any:
+                member_predicate, member_operands = args
+                return _where(member_predicate, true_batched(member_operands), false_batched(member_operands))
+
+            out = cond_across_batch(jnp.any(predicate), where_true, lambda args: false_batched(args[1]),
+                                    (predicate, operands))
+        return out, jax.tree.map(lambda _: True, out)
+
+    return branch(jnp.asarray(predicate), operands)
+
+
+@struct.dataclass
+class ResetPool:
+    """Fresh start states of one batch of environments, handed out in slot order."""
+
+    obs: Any  # leaves [P, ...]: first observations (float32, bool masks)
+    state: Any  # leaves [P, ...]: the environment states they belong to
+    next_slot: jax.Array  # [] int32: the first slot not handed out; P when every slot is used
+
+    @property
+    def size(self) -> int:
+        return jax.tree.leaves(self.obs)[0].shape[0]
+
+
+def empty_pool(obs: Any, state: Any, size: int) -> ResetPool:
+    """A pool of `size` slots, all used: the first refill happens when the first episode ends.
+    `obs` and `state` (leaves [B >= size, ...]) only give the slots their shapes and types."""
+    first = jax.tree.map(lambda leaf: leaf[:size], (obs, state))
+    return ResetPool(obs=first[0], state=first[1], next_slot=jnp.asarray(size, jnp.int32))
+
+
+def restart_finished(
+    reset_batch: Callable[[jax.Array], tuple[Any, Any]], pool: ResetPool, reset_keys: jax.Array,
+    done: jax.Array, obs: Any, state: Any,
+) -> tuple[ResetPool, Any, Any]:
+    """(pool, obs, state) after the environments where `done` [B] restart from the pool.
+
+    The k-th environment ending on this step (in batch order) takes slot `next_slot + k`.
+    If fewer slots are left than environments end, the pool is first refilled, every slot,
+    by `reset_batch(reset_keys[:P])` (this step's reset keys of the first P environments).
+    Only a pool smaller than the batch can run out within one step; the environments beyond
+    its size then share slots (slot modulo P).
+    """
+
+    def restart(operands: tuple[ResetPool, jax.Array, jax.Array, Any, Any]) -> tuple[ResetPool, Any, Any]:
+        pool, reset_keys, done, obs, state = operands
+        num_done = jnp.sum(done, dtype=jnp.int32)
+        pool = cond_across_batch(pool.next_slot + num_done > pool.size, _refill(reset_batch),
+                                 lambda args: args[0], (pool, reset_keys))
+        slot = (pool.next_slot + jnp.cumsum(done, dtype=jnp.int32) - 1) % pool.size
+        fresh = jax.tree.map(lambda leaf: leaf[slot], (pool.obs, pool.state))
+        pool = pool.replace(next_slot=jnp.minimum(pool.next_slot + num_done, pool.size))
+        return pool, _where(done, fresh[0], obs), _where(done, fresh[1], state)
+
+    return cond_across_batch(jnp.any(done), restart, lambda operands: (operands[0], operands[3], operands[4]),
+                             (pool, reset_keys, done, obs, state))
+
+
+def _refill(reset_batch: Callable[[jax.Array], tuple[Any, Any]]) -> Callable[[tuple[ResetPool, jax.Array]], ResetPool]:
+    def refill(args: tuple[ResetPool, jax.Array]) -> ResetPool:
+        pool, reset_keys = args
+        obs, state = reset_batch(reset_keys[:pool.size])
+        return ResetPool(obs=obs, state=state, next_slot=jnp.zeros((), jnp.int32))
+
+    return refill

@@ -1,0 +1,173 @@
+"""Resets paid only when episodes end (`jaxddppo/envs/resets.py`).
+
+A stand-in environment counts the executions of its `reset` through `io_callback`: a step
+on which no episode ends must run none, and every episode must start from a fresh state
+of its own, alone, under `vmap` (batched members and shards) and nested `vmap`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+
+from jaxddppo.envs import BatchedEnv, EnvSpec
+from jaxddppo.envs.base import observation_spec
+from jaxddppo.envs.resets import cond_across_batch
+
+NUM_ENVS = 8
+
+
+class CountedResets:
+    """Episodes of `length(key)` steps; the observation is (steps left, a start value drawn
+    by the reset). `resets` counts the resets executed (one per environment reset)."""
+
+    def __init__(self, min_length: int, max_length: int):
+        self.min_length, self.max_length = min_length, max_length
+        self.resets = 0
+        self.spec = EnvSpec(env_id="counted", observation=observation_spec(self._reset), discrete=True,
+                            num_actions=2, max_episode_steps=0)
+
+    def _count(self, key_data: np.ndarray) -> np.ndarray:
+        self.resets += 1
+        return np.zeros((), np.float32)
+
+    def _reset(self, key):
+        length_key, start_key = jax.random.split(key)
+        remaining = jax.random.randint(length_key, (), self.min_length, self.max_length + 1)
+        start = jax.random.uniform(start_key)
+        return jnp.stack([remaining.astype(jnp.float32), start]), (remaining, start)
+
+    def reset(self, key):
+        marker = io_callback(self._count, jax.ShapeDtypeStruct((), jnp.float32), jax.random.key_data(key))
+        obs, state = self._reset(key)
+        return obs + marker, state
+
+    def step(self, key, state, action):
+        remaining, start = state
+        remaining = remaining - 1
+        obs = jnp.stack([remaining.astype(jnp.float32), start])
+        return obs, (remaining, start), jnp.float32(1.0), remaining == 0, jnp.asarray(False)
+
+
+def run_steps(env: BatchedEnv, num_steps: int, key=jax.random.key(0), num_envs: int = NUM_ENVS):
+    """Observations and done flags of `num_steps` steps, one jitted call per step, and
+    the resets executed by each step."""
+    obs, state = env.reset(jax.random.fold_in(key, 0), num_envs)
+    step = jax.jit(env.step)
+    observations, dones, resets = [np.asarray(obs)], [], []
+    for index in range(num_steps):
+        before = env.core.resets
+        state, result = step(jax.random.fold_in(key, index + 1), state, jnp.zeros((num_envs,), jnp.int32))
+        jax.block_until_ready(result.obs)
+        resets.append(env.core.resets - before)
+        observations.append(np.asarray(result.obs))
+        dones.append(np.asarray(result.terminated | result.truncated))
+    return np.stack(observations), np.stack(dones), np.asarray(resets)
+
+
+def test_a_step_on_which_no_episode_ends_runs_no_reset():
+    core = CountedResets(3, 3)  # every episode ends after 3 steps, all together
+    observations, dones, resets = run_steps(BatchedEnv(core), 9)
+    assert dones.any(axis=1).tolist() == [False, False, True] * 3
+    # One refill of the whole pool (one reset per environment) on each step where episodes end.
+    assert resets.tolist() == [0, 0, NUM_ENVS] * 3
+
+
+def test_every_episode_starts_from_a_fresh_state_of_its_own():
+    core = CountedResets(2, 6)
+    observations, dones, resets = run_steps(BatchedEnv(core), 40)
+    starts = [observations[0][:, 1]]
+    for step_index in range(dones.shape[0]):
+        ended = dones[step_index]
+        starts.append(observations[step_index + 1][ended, 1])
+        # The restarted environments show a new episode's first observation: its full length left.
+        assert (observations[step_index + 1][ended, 0] >= 2).all()
+    starts = np.concatenate(starts)
+    episodes_ended = int(dones.sum())
+    assert episodes_ended > 3 * NUM_ENVS
+    assert len(np.unique(starts)) == len(starts) == NUM_ENVS + episodes_ended
+    # Reset work in proportion to the episodes that end: the whole pool is refilled on a step
+    # only when fewer slots are left than episodes end on it.
+    np.testing.assert_array_equal(resets, reference_refills(dones.sum(axis=1), NUM_ENVS) * NUM_ENVS)
+    assert resets.sum() < 1.5 * episodes_ended
+
+
+def reference_refills(ended_per_step: np.ndarray, pool_size: int) -> np.ndarray:
+    """1 on the steps where a pool of `pool_size` slots, starting used up, is refilled."""
+    next_slot, refills = pool_size, []
+    for ended in ended_per_step:
+        refill = ended > 0 and next_slot + ended > pool_size
+        next_slot = min((0 if refill else next_slot) + ended, pool_size)
+        refills.append(int(refill))
+    return np.asarray(refills)
+
+
+def test_a_smaller_pool_shares_slots_only_when_more_episodes_end_than_it_holds():
+    core = CountedResets(3, 3)
+    observations, dones, resets = run_steps(BatchedEnv(core, optimistic_reset_ratio=4), 3)
+    assert resets.tolist() == [0, 0, NUM_ENVS // 4]
+    starts = observations[3][:, 1]
+    # Environment k takes slot k mod 2.
+    np.testing.assert_array_equal(starts, np.tile(starts[:2], NUM_ENVS // 2))
+    assert starts[0] != starts[1]
+
+
+def batched_steps(env: BatchedEnv, keys: jax.Array, num_steps: int):
+    """`num_steps` steps of every member (leading axis of `keys`), batched with `vmap`."""
+
+    def member(key):
+        obs, state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
+
+        def one(state, step_key):
+            state, result = env.step(step_key, state, jnp.zeros((NUM_ENVS,), jnp.int32))
+            return state, (result.obs, result.terminated)
+
+        return jax.lax.scan(one, state, jax.random.split(jax.random.fold_in(key, 1), num_steps))[1]
+
+    return jax.jit(jax.vmap(member))(keys)
+
+
+def test_batched_members_reset_only_when_one_of_them_needs_it_and_each_as_alone():
+    core = CountedResets(3, 3)
+    env = BatchedEnv(core)
+    keys = jax.random.split(jax.random.key(4), 2)
+    batched_obs, batched_done = batched_steps(env, keys, 2)
+    assert not bool(batched_done.any())
+    assert core.resets == 2 * NUM_ENVS  # the initial resets only
+    core.resets = 0
+    batched_obs, batched_done = batched_steps(env, keys, 3)
+    assert core.resets == 2 * NUM_ENVS + 2 * NUM_ENVS  # initial resets, one refill of both pools
+    for member in range(2):
+        alone_obs, alone_done = batched_steps(env, keys[member:member + 1], 3)
+        np.testing.assert_array_equal(batched_obs[member], alone_obs[0])
+
+
+@pytest.mark.parametrize("batch_shape", [(3,), (2, 3)])
+def test_cond_across_batch_computes_each_member_as_alone_and_skips_when_none_needs_it(batch_shape):
+    executed = []
+
+    def costly(v):
+        executed.append(1)
+        return np.asarray(v) * 2.0 + 1.0
+
+    def member(predicate, x):
+        true_fn = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+        return cond_across_batch(predicate, true_fn, lambda v: v - 1.0, x)
+
+    function = member
+    for _ in batch_shape:
+        function = jax.vmap(function)
+    function = jax.jit(function)
+    values = jnp.arange(np.prod(batch_shape) * 2, dtype=jnp.float32).reshape(*batch_shape, 2)
+    predicates = (jnp.arange(np.prod(batch_shape)) % 2 == 1).reshape(batch_shape)
+    out = function(predicates, values)
+    expected = np.where(np.asarray(predicates)[..., None], np.asarray(values) * 2.0 + 1.0, np.asarray(values) - 1.0)
+    np.testing.assert_array_equal(out, expected)
+    assert executed
+    executed.clear()
+    out = function(jnp.zeros(batch_shape, bool), values)
+    np.testing.assert_array_equal(out, np.asarray(values) - 1.0)
+    assert not executed
