@@ -2,17 +2,19 @@
 
 For each experiment config (an `env.id` of any family, see docs/environments.md):
 
-  bare steps/s      the environment alone: `env.num_envs` environments with uniformly random
-                    actions (legal ones where the environment gives a mask) in one jitted
-                    `lax.scan` of `ppo.num_steps` steps through `envs.BatchedEnv` (auto-reset,
-                    `env.optimistic_reset_ratio` as configured), one device, for at least 2 s
-                    after its compile
+  core steps/s      the environment's own rate: its `env.num_envs` environments' core `step`
+                    vmapped, with uniformly random (legal) actions, in one jitted `lax.scan`
+                    of `ppo.num_steps` steps, no resets (benchmarks/env_rates.py)
+  batch / core      the same steps through the trainer's auto-resetting `envs.BatchedEnv`
+                    (`env.optimistic_reset_ratio` as configured), and through it under `vmap`
+                    in 4 groups (as a batched sweep's members or a device's batched shards
+                    step), against the core: what restarts and episode statistics cost. Both
+                    in the core's process, alternating, each over two episodes of the time limit
   train steps/s     `python -m jaxddppo.train` on the same config with `train.num_shards=2`,
                     on 1 and on 2 CPU devices (`run.cpu_devices`): steady state after the first
                     chunk of updates (as bench.py reads it), and its compile seconds; no
                     checkpoints, a final evaluation of 2 episodes only
-  train / bare      the share of the bare rate that training keeps: the trainer's cost
-                    (policy, learning, reductions) made visible
+  train / core      the share of the environment's own rate that training keeps
 
 Every measurement is a fresh process; the rows of each config alternate over `--repeats`
 rounds and the table reports medians.
@@ -26,7 +28,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,60 +38,25 @@ from bench import (EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, OneLineParser, REPO_RO
 DEVICE_COUNTS = (1, 2)
 PACKAGES = ("jax", "jaxlib", "flax", "gymnax", "navix", "xminigrid", "jumanji", "craftax", "playground", "mujoco-mjx")
 NUM_SHARDS = 2
-BARE_SECONDS = 2.0  # the bare measurement times scans of ppo.num_steps steps for at least this long
 
 
-def bare_rate(config_path: str) -> dict[str, Any]:
-    """Random-action steps/s of the config's environments (run in a process of its own)."""
-    import jax
+def env_rates(config_path: str) -> dict[str, Any]:
+    """The core's and `BatchedEnv`'s steps/s of the config's environments (in a process of its own)."""
+    from env_rates import measure_rates
 
     from jaxddppo.config import load_config
-    from jaxddppo.envs import make_env
-    from jaxddppo.envs.base import random_actions, strongly_typed
 
     config = load_config(config_path)
-    env = make_env(config.env.id, config.env.optimistic_reset_ratio)
-    spec, num_envs, num_steps = env.spec, config.env.num_envs, config.ppo.num_steps
-
-    @jax.jit
-    def steps(key: jax.Array, obs: Any, state: Any) -> tuple[Any, Any]:
-        def one(carry, step_key):
-            obs, state = carry
-            action_key, env_key = jax.random.split(step_key)
-            state, result = env.step(env_key, state, random_actions(spec, action_key, obs))
-            return (result.obs, state), result.reward.sum()
-
-        (obs, state), rewards = jax.lax.scan(one, (obs, state), jax.random.split(key, num_steps))
-        return (obs, strongly_typed(state)), rewards.sum()
-
-    key = jax.random.key(0)
-    obs, state = env.reset(key, num_envs)
-    # As in the trainer, no weak types in the state (in or out): a change of type would recompile the next call.
-    state = strongly_typed(state)
-    start = time.perf_counter()
-    (obs, state), total = steps(jax.random.fold_in(key, 0), obs, state)
-    total.block_until_ready()
-    compile_seconds = time.perf_counter() - start
-    # A second untimed call: inputs that came from outside jit (NumPy leaves of a reset state) carry
-    # no sharding, the first call's outputs do, and that difference alone compiles the program again.
-    (obs, state), total = steps(jax.random.fold_in(key, 1), obs, state)
-    total.block_until_ready()
-    start, rounds = time.perf_counter(), 0
-    while rounds < 3 or time.perf_counter() - start < BARE_SECONDS:
-        rounds += 1
-        (obs, state), total = steps(jax.random.fold_in(key, 1 + rounds), obs, state)
-        total.block_until_ready()
-    seconds = time.perf_counter() - start
-    return {"steps_per_second": num_envs * num_steps * rounds / seconds,
-            "compile_seconds": compile_seconds, "num_envs": num_envs}
+    return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps,
+                         optimistic_reset_ratio=config.env.optimistic_reset_ratio)
 
 
-def run_bare(config_path: str, scratch: Path, timeout: float) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--bare", config_path, "--out", str(scratch / "bare.json")]
+def run_rates(config_path: str, scratch: Path, timeout: float) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--rates", config_path, "--out", str(scratch / "rates.json")]
     finished = run_process(command, dict(os.environ), scratch, timeout)
     if finished.exit_code != 0:
-        raise RuntimeError(f"bare stepping of {config_path} failed:\n{output_tail(scratch / 'output.txt')}")
-    return json.loads((scratch / "bare.json").read_text())
+        raise RuntimeError(f"stepping {config_path} failed:\n{output_tail(scratch / 'output.txt')}")
+    return json.loads((scratch / "rates.json").read_text())
 
 
 def run_training(config_path: str, devices: int, env_steps: Optional[int], scratch: Path,
@@ -115,19 +81,21 @@ def run_training(config_path: str, devices: int, env_steps: Optional[int], scrat
 
 def measure(config_paths: Sequence[str], repeats: int, env_steps: Optional[int], timeout: float) -> dict[str, Any]:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
-        path: {"bare": [], **{f"train_{devices}": [] for devices in DEVICE_COUNTS}} for path in config_paths}
+        path: {"rates": [], **{f"train_{devices}": [] for devices in DEVICE_COUNTS}} for path in config_paths}
     with tempfile.TemporaryDirectory(prefix="jaxddppo-families-") as root:
         for round_index in range(repeats):
             for path in config_paths:
                 for row in results[path]:
                     scratch = Path(root) / f"{round_index}-{Path(path).stem}-{row}"
                     scratch.mkdir()
-                    if row == "bare":
-                        result = run_bare(path, scratch, timeout)
+                    if row == "rates":
+                        result = run_rates(path, scratch, timeout)
+                        rate = result["steps_per_second"]["core"]
                     else:
                         result = run_training(path, int(row.split("_")[1]), env_steps, scratch, timeout)
+                        rate = result["steps_per_second"]
                     results[path][row].append(result)
-                    print(f"round {round_index + 1}/{repeats} {path} {row}: {result['steps_per_second']:,.0f} steps/s",
+                    print(f"round {round_index + 1}/{repeats} {path} {row}: {rate:,.0f} steps/s",
                           file=sys.stderr, flush=True)
     return results
 
@@ -142,9 +110,12 @@ def table_rows(config_paths: Sequence[str], results: dict[str, Any]) -> list[dic
     rows = []
     for path in config_paths:
         config = yaml.safe_load(Path(path).read_text())
-        bare = median(results[path]["bare"], "steps_per_second")
-        row = {"config": os.path.relpath(path, REPO_ROOT), "env_id": config["env"]["id"], "num_envs": results[path]["bare"][0]["num_envs"],
-               "bare_steps_per_second": bare}
+        rates = results[path]["rates"]
+        row = {"config": os.path.relpath(path, REPO_ROOT), "env_id": config["env"]["id"],
+               "num_envs": rates[0]["num_envs"],
+               "core_steps_per_second": statistics.median(rate["steps_per_second"]["core"] for rate in rates),
+               "batch_over_core": median(rates, "batch_over_core"),
+               "batch_vmapped_over_core": median(rates, "batch_vmapped_over_core")}
         for devices in DEVICE_COUNTS:
             trials = results[path][f"train_{devices}"]
             row[f"train_{devices}_steps_per_second"] = median(trials, "steps_per_second")
@@ -154,12 +125,14 @@ def table_rows(config_paths: Sequence[str], results: dict[str, Any]) -> list[dic
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| env.id | envs | bare steps/s | train steps/s, 1 device | 2 devices | train / bare (1, 2) | compile s (1, 2) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| env.id | envs | core steps/s | batch / core | vmapped / core | train steps/s, 1 device | 2 devices | "
+             "train / core (1, 2) | compile s (1, 2) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        one, two, bare = row["train_1_steps_per_second"], row["train_2_steps_per_second"], row["bare_steps_per_second"]
-        lines.append(f"| `{row['env_id']}` | {row['num_envs']} | {bare:,.0f} | {one:,.0f} | {two:,.0f} | "
-                     f"{one / bare:.2f}, {two / bare:.2f} | "
+        one, two, core = row["train_1_steps_per_second"], row["train_2_steps_per_second"], row["core_steps_per_second"]
+        lines.append(f"| `{row['env_id']}` | {row['num_envs']} | {core:,.0f} | {row['batch_over_core']:.2f} | "
+                     f"{row['batch_vmapped_over_core']:.2f} | {one:,.0f} | {two:,.0f} | "
+                     f"{one / core:.2f}, {two / core:.2f} | "
                      f"{row['train_1_compile_seconds']:.0f}, {row['train_2_compile_seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -178,8 +151,8 @@ def package_versions() -> dict[str, Optional[str]]:
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(
         prog="python benchmarks/families.py",
-        description="Training steps/s of environment families on 1 and 2 CPU devices beside the environment's bare "
-        f"random-action rate. Exit codes: 0 done, {EXIT_TRIAL_FAILED} a measurement failed, {EXIT_BAD_ARGUMENTS} "
+        description="Training steps/s of environment families on 1 and 2 CPU devices beside the environment's own "
+        f"stepping rate and the trainer's batched one. Exit codes: 0 done, {EXIT_TRIAL_FAILED} a measurement failed, {EXIT_BAD_ARGUMENTS} "
         "bad arguments.")
     parser.add_argument("configs", nargs="+", help="experiment configs (YAML), e.g. experiments/navix_empty.yaml")
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
@@ -187,7 +160,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="train.total_env_steps of each training run (default: the config's)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a measurement may run (default 1800)")
     parser.add_argument("--out", help="write the machine, versions, table and every measurement as JSON")
-    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rates", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for path in args.configs:
         if not Path(path).is_file():
@@ -200,8 +173,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.bare:
-        Path(args.out).write_text(json.dumps(bare_rate(args.configs[0])))
+    if args.rates:
+        Path(args.out).write_text(json.dumps(env_rates(args.configs[0])))
         return 0
     try:
         results = measure(args.configs, args.repeats, args.env_steps, args.timeout)

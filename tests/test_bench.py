@@ -21,7 +21,9 @@ from jaxddppo.config import from_dict, load_config
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 import collectives  # noqa: E402
+import env_rates  # noqa: E402
 import families  # noqa: E402
+import gpu  # noqa: E402
 
 TINY_STEPS = 4096  # 8 updates of 4 envs x 128 steps, in one chunk
 
@@ -332,29 +334,81 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
     assert "env steps/s on 2 cpu device(s), 3 XLA CPU pool thread(s)" in process.stdout
 
 
-def test_families_bare_rate_steps_the_config_s_environments(tmp_path):
-    config_path = tmp_path / "config.yaml"
-    config_path.write_text(yaml.safe_dump({"env": {"id": "Pendulum-v1", "num_envs": 3}, "ppo": {"num_steps": 5}}))
-    result = families.bare_rate(str(config_path))
-    assert result["num_envs"] == 3 and result["steps_per_second"] > 0 and result["compile_seconds"] > 0
+def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
+    result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10)
+    assert result["num_envs"] == 8 and result["steps_per_env"] == 10
+    assert set(result["steps_per_second"]) == set(env_rates.CONTENDERS)
+    assert all(rate > 0 for rate in result["steps_per_second"].values())
+    rates = result["steps_per_second"]
+    assert result["batch_over_core"] == rates["batch"] / rates["core"]
+    with pytest.raises(ValueError, match="num_envs=6 must be a multiple of 4"):
+        env_rates.measure_rates("Pendulum-v1", 6, 5)
 
 
-def test_families_table_takes_medians_and_shows_the_share_of_the_bare_rate(tmp_path):
+def test_env_rates_default_window_covers_two_episodes_of_the_time_limit():
+    from jaxddppo.envs import make_env
+
+    assert env_rates.default_steps_per_env(make_env("Pendulum-v1"), 32) == 400  # a limit of 200 steps
+
+
+def rates_result(core: float, batch_over_core: float, vmapped_over_core: float) -> dict:
+    return {"num_envs": 32, "steps_per_second": {"core": core}, "batch_over_core": batch_over_core,
+            "batch_vmapped_over_core": vmapped_over_core}
+
+
+def test_families_table_takes_medians_and_shows_the_share_of_the_core_rate(tmp_path):
     config_path = tmp_path / "navix.yaml"
     config_path.write_text(yaml.safe_dump({"env": {"id": "navix:Navix-Empty-5x5-v0", "num_envs": 32}}))
     path = str(config_path)
     results = {path: {
-        "bare": [{"steps_per_second": 1000.0, "num_envs": 32}, {"steps_per_second": 3000.0, "num_envs": 32},
-                 {"steps_per_second": 2000.0, "num_envs": 32}],
+        "rates": [rates_result(1000.0, 0.9, 0.8), rates_result(3000.0, 0.7, 0.6), rates_result(2000.0, 0.95, 0.9)],
         "train_1": [{"steps_per_second": 500.0, "compile_seconds": 10.0}] * 3,
         "train_2": [{"steps_per_second": 800.0, "compile_seconds": 12.0}, {"steps_per_second": 900.0,
                     "compile_seconds": 14.0}, {"steps_per_second": 1000.0, "compile_seconds": 13.0}],
     }}
     [row] = families.table_rows([path], results)
-    assert row["bare_steps_per_second"] == 2000.0 and row["train_2_steps_per_second"] == 900.0
+    assert row["core_steps_per_second"] == 2000.0 and row["train_2_steps_per_second"] == 900.0
+    assert row["batch_over_core"] == 0.9 and row["batch_vmapped_over_core"] == 0.8
     assert row["train_2_compile_seconds"] == 13.0
     line = families.format_table([row]).splitlines()[-1]
-    assert line == "| `navix:Navix-Empty-5x5-v0` | 32 | 2,000 | 500 | 900 | 0.25, 0.45 | 10, 13 |"
+    assert line == "| `navix:Navix-Empty-5x5-v0` | 32 | 2,000 | 0.90 | 0.80 | 500 | 900 | 0.25, 0.45 | 10, 13 |"
+
+
+def test_gpu_suite_plans_every_row_the_issue_names():
+    names = [step["name"] for step in gpu.step_plan(quick=False)]
+    assert names == ["rates CheetahRun", "train CheetahRun", "rates CartpoleBalance", "train CartpoleBalance",
+                     "cartpole 1 shard(s) exact=true", "cartpole 1 shard(s) exact=false",
+                     "cartpole 4 shard(s) exact=true", "cartpole 4 shard(s) exact=false"]
+    large = gpu.step_plan(quick=False)[-1]["overrides"]
+    assert "env.num_envs=2048" in large and "train.num_shards=4" in large and "train.exact_reductions=false" in large
+
+
+def test_gpu_suite_table_sets_training_beside_the_core_rate():
+    rates = {"kind": "rates", "name": "rates CheetahRun", "env_id": "playground:CheetahRun", "num_envs": 2048,
+             "result": {"steps_per_second": {"core": 1_000_000.0, "batch": 850_000.0, "batch_vmapped": 800_000.0},
+                        "batch_over_core": 0.85, "batch_vmapped_over_core": 0.8}}
+    train = {"kind": "train", "name": "train CheetahRun",
+             "result": {"steps_per_second": 400_000.0, "compile_seconds": 61.23, "eval_return_mean": 123.45}}
+    skipped = {"kind": "train", "name": "cartpole 4 shard(s) exact=true", "status": "skipped: budget spent"}
+    lines = gpu.format_table([rates, train, skipped]).splitlines()
+    assert lines[2] == "| `playground:CheetahRun` | 2048 | 1,000,000 | 850,000 | 0.85 | 800,000 | 0.80 |"
+    assert lines[-2] == "| train CheetahRun | 400,000 | 0.40 | 61.2 | 123.5 |"
+    assert lines[-1] == "| cartpole 4 shard(s) exact=true | skipped: budget spent | | | |"
+
+
+def test_gpu_suite_records_a_failed_step_and_goes_on(tmp_path, monkeypatch):
+    def fail(step, scratch, timeout):
+        raise RuntimeError("exit code 1: boom")
+
+    def train(step, scratch, timeout):
+        return {"steps_per_second": 10.0, "compile_seconds": 1.0, "eval_return_mean": None}
+
+    monkeypatch.setattr(gpu, "run_rates", fail)
+    monkeypatch.setattr(gpu, "run_training", train)
+    assert gpu.run_suite(tmp_path, budget_seconds=600, quick=True, step_timeout=10) == 1
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert [step["status"] for step in report["steps"]] == ["failed: exit code 1: boom", "measured"] * 2 + ["measured"] * 4
+    assert (tmp_path / "gpu.md").read_text() == report["table"] + "\n"
 
 
 def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
