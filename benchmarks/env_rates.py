@@ -1,4 +1,5 @@
-"""An environment's own stepping rate beside the trainer's batched, auto-resetting one.
+"""An environment's own stepping rate beside the trainer's batched, auto-resetting one:
+`python benchmarks/env_rates.py ENV_ID --num-envs N --num-steps T [--rounds R] [--out FILE]`.
 
   core      the family adapter's `step` vmapped over the environments, with uniformly random
             (legal) actions, in one jitted `lax.scan`: no resets at all, the environment's
@@ -17,10 +18,13 @@ Used by families.py and gpu.py; nothing in jaxddppo imports it.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -120,11 +124,12 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
         compiled[name], carries[name] = function, carry
     rates: dict[str, list[float]] = {name: [] for name in compiled}
     for round_index in range(rounds):
+        keys = jax.block_until_ready(list(jax.random.split(jax.random.key(3 + round_index), scans_per_round)))
         for name, function in compiled.items():
             carry = carries[name]
             start = time.perf_counter()
             for scan_index in range(scans_per_round):
-                carry, total = function(jax.random.fold_in(jax.random.key(3 + round_index), scan_index), carry)
+                carry, total = function(keys[scan_index], carry)
             total.block_until_ready()
             seconds = time.perf_counter() - start
             carries[name] = carry
@@ -136,3 +141,36 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
         "batch_over_core": medians["batch"] / medians["core"],
         "batch_vmapped_over_core": medians["batch_vmapped"] / medians["core"],
     }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from bench import OneLineParser
+
+    parser = OneLineParser(prog="python benchmarks/env_rates.py",
+                           description="Steps/s of an environment's core beside the trainer's BatchedEnv.")
+    parser.add_argument("env_id", help="an env.id, e.g. playground:CheetahRun")
+    parser.add_argument("--num-envs", type=int, default=256, help="environments (a multiple of 4; default 256)")
+    parser.add_argument("--num-steps", type=int, default=32, help="steps per jitted scan (default 32)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three contenders (default 2)")
+    parser.add_argument("--steps-per-env", type=int, default=0,
+                        help="steps each environment takes per round (default: two episodes of the time limit)")
+    parser.add_argument("--optimistic-reset-ratio", type=int, default=1, help="env.optimistic_reset_ratio (default 1)")
+    parser.add_argument("--out", help="write the result as JSON to this file")
+    args = parser.parse_args(argv)
+    if args.num_envs < GROUPS or args.num_envs % GROUPS:
+        parser.error(f"--num-envs={args.num_envs} must be a positive multiple of {GROUPS}")
+    if min(args.num_steps, args.rounds) < 1 or args.steps_per_env < 0:
+        parser.error("--num-steps and --rounds must be at least 1, --steps-per-env at least 0")
+    result = measure_rates(args.env_id, args.num_envs, args.num_steps, args.rounds, args.steps_per_env,
+                           args.optimistic_reset_ratio)
+    rates = result["steps_per_second"]
+    print(f"{args.env_id}, {args.num_envs} envs, {result['steps_per_env']} steps each per round: core "
+          f"{rates['core']:,.0f} steps/s, BatchedEnv {rates['batch']:,.0f} ({result['batch_over_core']:.2f}x), "
+          f"vmapped in {GROUPS} groups {rates['batch_vmapped']:,.0f} ({result['batch_vmapped_over_core']:.2f}x)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
