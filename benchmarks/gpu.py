@@ -107,7 +107,7 @@ def run_training(step: dict[str, Any], scratch: Path, timeout: float) -> dict[st
     steps, seconds = steady_state(run_dir / "metrics.jsonl", 1)
     return {"steps_per_second": steps / seconds, "steady_env_steps": steps,
             "compile_seconds": summary["compile_seconds"], "train_seconds": summary["train_seconds"],
-            "eval_return_mean": summary.get("eval_return_mean"), "num_envs": summary.get("num_envs"),
+            "eval_return_mean": summary.get("eval_return_mean"),
             "command": " ".join(command[1:])}
 
 
