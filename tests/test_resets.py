@@ -15,7 +15,7 @@ from jax.experimental import io_callback
 
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
-from jaxddppo.envs.resets import cond_across_batch
+from jaxddppo.envs.resets import update_if_any
 
 NUM_ENVS = 8
 
@@ -146,7 +146,7 @@ def test_batched_members_reset_only_when_one_of_them_needs_it_and_each_as_alone(
 
 
 @pytest.mark.parametrize("batch_shape", [(3,), (2, 3)])
-def test_cond_across_batch_computes_each_member_as_alone_and_skips_when_none_needs_it(batch_shape):
+def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_it(batch_shape):
     executed = []
 
     def costly(v):
@@ -154,8 +154,8 @@ def test_cond_across_batch_computes_each_member_as_alone_and_skips_when_none_nee
         return np.asarray(v) * 2.0 + 1.0
 
     def member(predicate, x):
-        true_fn = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
-        return cond_across_batch(predicate, true_fn, lambda v: v - 1.0, x)
+        update = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+        return update_if_any(predicate, update, x)
 
     function = member
     for _ in batch_shape:
@@ -164,10 +164,10 @@ def test_cond_across_batch_computes_each_member_as_alone_and_skips_when_none_nee
     values = jnp.arange(np.prod(batch_shape) * 2, dtype=jnp.float32).reshape(*batch_shape, 2)
     predicates = (jnp.arange(np.prod(batch_shape)) % 2 == 1).reshape(batch_shape)
     out = function(predicates, values)
-    expected = np.where(np.asarray(predicates)[..., None], np.asarray(values) * 2.0 + 1.0, np.asarray(values) - 1.0)
+    expected = np.where(np.asarray(predicates)[..., None], np.asarray(values) * 2.0 + 1.0, np.asarray(values))
     np.testing.assert_array_equal(out, expected)
     assert executed
     executed.clear()
-    out = function(jnp.zeros(batch_shape, bool), values)
-    np.testing.assert_array_equal(out, np.asarray(values) - 1.0)
+    np.testing.assert_array_equal(function(jnp.zeros(batch_shape, bool), values), values)
     assert not executed
+

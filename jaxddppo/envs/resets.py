@@ -8,9 +8,9 @@ more pairs than it has left. A step on which no episode ends does no reset work,
 total is about one reset per episode that ends: on a GPU, where a long reset (MJX's settling
 steps) is latency paid per call, few large refills beat many small ones.
 
-Both decisions are `cond_across_batch`: a `lax.cond` that stays a branch under `vmap`
-(batched sweep members, batched shards, batched evaluation), taken when any member of the
-batch needs it. A plain `lax.cond` under `vmap` becomes a `select` that computes both sides.
+Both decisions are `update_if_any`: a branch that stays a branch under `vmap` (batched
+sweep members, batched shards), taken when any member of the batch needs it. A plain
+`lax.cond` under `vmap` becomes a `select` that computes both sides.
 """
 
 from __future__ import annotations
@@ -31,19 +31,25 @@ def _where(condition: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(pick, on_true, on_false)
 
 
-def cond_across_batch(predicate: jax.Array, true_fn: Callable[[Any], Any], false_fn: Callable[[Any], Any],
-                      operands: Any) -> Any:
-    """`lax.cond(predicate, true_fn, false_fn, operands)` that stays a branch under `vmap`.
+def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: Any) -> Any:
+    """`update(operands)` where `predicate` holds, else `operands` as they are: a branch
+    that stays a branch under `vmap`, and leaves the operands in place when not taken.
 
-    Batched, the branch runs when the predicate holds for any member, and each member keeps
-    `true_fn`'s result only where its own predicate holds, `false_fn`'s otherwise: every
-    member computes what it would alone, and a batch in which no member needs `true_fn` skips
-    it. Nested `vmap`s nest the rule (the batched call is itself a `cond_across_batch`).
+    Batched, `update` runs when the predicate holds for any member, and each member keeps
+    its update only where its own predicate holds: every member computes what it would
+    alone, and a batch in which no member needs the update skips it. Nested `vmap`s nest
+    the rule (the batched call is itself an `update_if_any`). The branch is a loop of at
+    most one iteration rather than a `lax.cond`: XLA updates a loop's carry in place, where
+    a `lax.cond` inside the rollout's loop copied every operand it passed through (the
+    reset pool and the environment states, at every step).
     """
 
     @jax.custom_batching.custom_vmap
     def branch(predicate: jax.Array, operands: Any) -> Any:
-        return jax.lax.cond(predicate, true_fn, false_fn, operands)
+        def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+            return jnp.zeros((), bool), update(carry[1])
+
+        return jax.lax.while_loop(lambda carry: carry[0], body, (predicate, operands))[1]
 
     @branch.def_vmap
     def batched(axis_size: int, in_batched: tuple[Any, Any], predicate: jax.Array, operands: Any
@@ -52,19 +58,18 @@ def cond_across_batch(predicate: jax.Array, true_fn: Callable[[Any], Any], false
         operands = jax.tree.map(
             lambda leaf, is_batched: leaf if is_batched else jnp.broadcast_to(leaf, (axis_size, *jnp.shape(leaf))),
             operands, operands_batched)
-        true_batched, false_batched = jax.vmap(true_fn), jax.vmap(false_fn)
+        update_batched = jax.vmap(update)
         if not predicate_batched:
-            out = cond_across_batch(predicate, true_batched, false_batched, operands)
+            out = update_if_any(predicate, update_batched, operands)
         else:
-            def where_true(args: tuple[jax.Array, Any]) -> Any:
+            def where_own(args: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
                 member_predicate, member_operands = args
-                return _where(member_predicate, true_batched(member_operands), false_batched(member_operands))
+                return member_predicate, _where(member_predicate, update_batched(member_operands), member_operands)
 
-            out = cond_across_batch(jnp.any(predicate), where_true, lambda args: false_batched(args[1]),
-                                    (predicate, operands))
+            out = update_if_any(jnp.any(predicate), where_own, (predicate, operands))[1]
         return out, jax.tree.map(lambda _: True, out)
 
-    return branch(jnp.asarray(predicate), operands)
+    return branch(jnp.asarray(predicate, bool), operands)
 
 
 @struct.dataclass
@@ -87,6 +92,10 @@ def empty_pool(obs: Any, state: Any, size: int) -> ResetPool:
     return ResetPool(obs=first[0], state=first[1], next_slot=jnp.asarray(size, jnp.int32))
 
 
+# (pool, reset keys [B], done [B], observations, states)
+RestartOperands = tuple[ResetPool, jax.Array, jax.Array, Any, Any]
+
+
 def restart_finished(
     reset_batch: Callable[[jax.Array], tuple[Any, Any]], pool: ResetPool, reset_keys: jax.Array,
     done: jax.Array, obs: Any, state: Any,
@@ -100,24 +109,24 @@ def restart_finished(
     its size then share slots (slot modulo P).
     """
 
-    def restart(operands: tuple[ResetPool, jax.Array, jax.Array, Any, Any]) -> tuple[ResetPool, Any, Any]:
+    def restart(operands: RestartOperands) -> RestartOperands:
         pool, reset_keys, done, obs, state = operands
         num_done = jnp.sum(done, dtype=jnp.int32)
-        pool = cond_across_batch(pool.next_slot + num_done > pool.size, _refill(reset_batch),
-                                 lambda args: args[0], (pool, reset_keys))
+        pool, _ = update_if_any(pool.next_slot + num_done > pool.size, _refill(reset_batch), (pool, reset_keys))
         slot = (pool.next_slot + jnp.cumsum(done, dtype=jnp.int32) - 1) % pool.size
         fresh = jax.tree.map(lambda leaf: leaf[slot], (pool.obs, pool.state))
         pool = pool.replace(next_slot=jnp.minimum(pool.next_slot + num_done, pool.size))
-        return pool, _where(done, fresh[0], obs), _where(done, fresh[1], state)
+        return pool, reset_keys, done, _where(done, fresh[0], obs), _where(done, fresh[1], state)
 
-    return cond_across_batch(jnp.any(done), restart, lambda operands: (operands[0], operands[3], operands[4]),
-                             (pool, reset_keys, done, obs, state))
+    pool, _, _, obs, state = update_if_any(jnp.any(done), restart, (pool, reset_keys, done, obs, state))
+    return pool, obs, state
 
 
-def _refill(reset_batch: Callable[[jax.Array], tuple[Any, Any]]) -> Callable[[tuple[ResetPool, jax.Array]], ResetPool]:
-    def refill(args: tuple[ResetPool, jax.Array]) -> ResetPool:
+def _refill(reset_batch: Callable[[jax.Array], tuple[Any, Any]]
+            ) -> Callable[[tuple[ResetPool, jax.Array]], tuple[ResetPool, jax.Array]]:
+    def refill(args: tuple[ResetPool, jax.Array]) -> tuple[ResetPool, jax.Array]:
         pool, reset_keys = args
         obs, state = reset_batch(reset_keys[:pool.size])
-        return ResetPool(obs=obs, state=state, next_slot=jnp.zeros((), jnp.int32))
+        return ResetPool(obs=obs, state=state, next_slot=jnp.zeros((), jnp.int32)), reset_keys
 
     return refill
