@@ -523,15 +523,20 @@ def machine_description(cpu: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def package_versions() -> dict[str, Optional[str]]:
-    """The versions of the peers and of the libraries they share with jaxddppo (None: not installed)."""
+def versions_of(packages: Sequence[str]) -> dict[str, Optional[str]]:
+    """Each package's installed version (None: not installed)."""
     versions: dict[str, Optional[str]] = {}
-    for package in ("rejax", "gymnax", "flax", "optax", "distrax"):
+    for package in packages:
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
     return versions
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    """The versions of the peers and of the libraries they share with jaxddppo (None: not installed)."""
+    return versions_of(("rejax", "gymnax", "flax", "optax", "distrax"))
 
 
 def revision(path: Path) -> Optional[str]:

@@ -18,7 +18,6 @@ Used by families.py and gpu.py; nothing in jaxddppo imports it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys

@@ -28,12 +28,11 @@ import os
 import statistics
 import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from bench import (EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT, cpu_description,
-                   machine_description, output_tail, read_cpuinfo, run_process, steady_state)
+                   machine_description, output_tail, read_cpuinfo, run_process, steady_state, versions_of)
 
 DEVICE_COUNTS = (1, 2)
 PACKAGES = ("jax", "jaxlib", "flax", "gymnax", "navix", "xminigrid", "jumanji", "craftax", "playground", "mujoco-mjx")
@@ -137,17 +136,6 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def package_versions() -> dict[str, Optional[str]]:
-    """The versions of JAX and of the environment families (None: not installed)."""
-    versions: dict[str, Optional[str]] = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(
         prog="python benchmarks/families.py",
@@ -184,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = table_rows(args.configs, results)
     print(format_table(rows))
     if args.out:
-        report = {"machine": machine_description(cpu_description(read_cpuinfo())), "versions": package_versions(),
+        report = {"machine": machine_description(cpu_description(read_cpuinfo())), "versions": versions_of(PACKAGES),
                   "repeats": args.repeats, "env_steps": args.env_steps, "table": rows, "measurements": results}
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0

@@ -29,11 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import EXIT_BAD_ARGUMENTS, OneLineParser, REPO_ROOT, output_tail, run_process, steady_state
+from bench import OneLineParser, REPO_ROOT, output_tail, run_process, steady_state, versions_of
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "mujoco", "mujoco-mjx",
             "playground", "warp-lang", "gymnax")
@@ -130,13 +129,7 @@ def device_description() -> dict[str, Any]:
             description["driver"] = query.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    versions = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    description["versions"] = versions
+    description["versions"] = versions_of(PACKAGES)
     return description
 
 

@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -42,7 +41,7 @@ import yaml
 
 from bench import (CPU_DEVICE_COUNT_FLAG, EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, BenchError, OneLineParser,
                    REPO_ROOT, cpu_description, machine_description, names, output_tail, read_cpuinfo, revision,
-                   run_process, steady_state)
+                   run_process, steady_state, versions_of)
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 BRAX_PEER_SCRIPT = BENCHMARKS_DIR / "brax_peer.py"
@@ -262,22 +261,12 @@ def format_table(table: Sequence[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- the record of a run
 
 
-def package_versions() -> dict[str, Optional[str]]:
-    versions: dict[str, Optional[str]] = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
-
-
 def build_report(specs: Mapping[str, dict[str, Any]], repeats: int, measurements: Mapping[Key, list[dict[str, Any]]],
                  table: Sequence[dict[str, Any]], command: str, cpu: dict[str, Any]) -> dict[str, Any]:
     return {
         "command": command,
         "machine": machine_description(cpu),
-        "versions": package_versions(),
+        "versions": versions_of(PACKAGES),
         "jaxddppo": {"path": str(REPO_ROOT), "revision": revision(REPO_ROOT)},
         "configs": {task: {"spec": spec, "jaxddppo": jaxddppo_config(task, spec, 0, Path("RUN_DIR")),
                            "brax_peer": brax_arguments(task, spec, 0, Path("RESULT"))}
