@@ -171,3 +171,27 @@ def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_i
     np.testing.assert_array_equal(function(jnp.zeros(batch_shape, bool), values), values)
     assert not executed
 
+
+
+def test_evaluation_steps_restart_nothing_and_match_the_resetting_steps_until_an_end():
+    core = CountedResets(3, 3)
+    env = BatchedEnv(core)
+    key = jax.random.key(5)
+    actions = jnp.zeros((NUM_ENVS,), jnp.int32)
+    _, resetting = env.reset(key, NUM_ENVS)
+    _, plain = env.reset(key, NUM_ENVS, auto_reset=False)
+    assert plain.reset_pool is None
+    core.resets = 0
+    for index in range(4):
+        step_key = jax.random.fold_in(key, index)
+        resetting, restarted = env.step(step_key, resetting, actions)
+        plain, result = env.step_without_reset(step_key, plain, actions)
+        if index < 3:  # the same steps up to the end of the first episodes
+            np.testing.assert_array_equal(result.final_obs, restarted.final_obs)
+        if index < 2:
+            np.testing.assert_array_equal(result.obs, restarted.obs)
+    # The episodes ended on the third step: the plain environments stepped on past the end.
+    np.testing.assert_array_equal(np.asarray(result.obs)[:, 0], np.full(NUM_ENVS, -1.0))
+    assert core.resets == NUM_ENVS  # the resetting environments' one refill, none for the plain ones
+    with pytest.raises(ValueError, match="no reset pool"):
+        env.step(key, plain, actions)
