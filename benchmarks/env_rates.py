@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxddppo.envs import BatchedEnv, make_env
+from jaxddppo.envs import BatchedEnv, batch_size, make_env
 from jaxddppo.envs.base import float_observation, random_actions, strongly_typed
 
 GROUPS = 4
@@ -48,7 +48,7 @@ def core_scan(env: BatchedEnv, num_steps: int) -> Callable:
         obs, state = carry
         action_key, env_key = jax.random.split(step_key)
         actions = random_actions(spec, action_key, obs)
-        keys = jax.random.split(env_key, jax.tree.leaves(obs)[0].shape[0])
+        keys = jax.random.split(env_key, batch_size(obs))
         obs, state, reward, _, _ = jax.vmap(core.step)(keys, state, actions)
         return (float_observation(obs), strongly_typed(state)), jnp.sum(reward)
 
