@@ -31,11 +31,10 @@ Suites:
   scaling     jaxddppo on 2 devices against its best on 1 device, small and large configs
   population  1, 8 and 32 seeds of the small config: a jaxddppo sweep against rejax
               vmapped; 32 seeds also on 2 devices, and with one CPU thread each
-  guard       this checkout against --baseline: the small config on 1 device, the large
-              config on 1 and on 2 devices and a sweep of 32 seeds of the small config on
-              2 devices, with this checkout's defaults (reported) and, but for the small
-              config, with its opt-in CPU tuning and train.exact_reductions=false (guarded:
-              steps/s at least 0.95x, compile at most 1.1x)
+  guard       this checkout against --baseline, both with their defaults: the small config
+              on 1 device and the large config on 2 devices (reported), the large config
+              on 1 device and a sweep of 32 seeds of the small config on 2 devices
+              (guarded: steps/s at least 0.95x, compile at most 1.1x)
   reductions  the price of train.exact_reductions: the large config on 2 devices, exact
               (the default) against train.exact_reductions=false (a run of one shard runs
               the same program either way)
@@ -104,9 +103,6 @@ GUARD_SEEDS = 32
 # The guard's bounds on this checkout against the baseline (medians of per-round ratios).
 GUARD_MIN_STEPS_RATIO = 0.95
 GUARD_MAX_COMPILE_RATIO = 1.1
-# jaxddppo's opt-in CPU tuning (jaxddppo/cpu_tuning.py), as config sections.
-CPU_TUNING = {"ppo": {"minibatch_shuffle": "cpu_sorts", "flat_optimizer": True}, "run": {"fast_cpu_compile": True},
-              "network": {"dense_gradient": "cpu_transposed"}}
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 PUREJAXRL_URL = "https://github.com/luchris429/purejaxrl"
 EXIT_TRIAL_FAILED, EXIT_BAD_ARGUMENTS, EXIT_GUARD_FAILED = 1, 2, 3
@@ -116,8 +112,7 @@ EXIT_TRIAL_FAILED, EXIT_BAD_ARGUMENTS, EXIT_GUARD_FAILED = 1, 2, 3
 class Trial:
     """One kind of measurement: a contender on a config, a device count, a number of seeds
     (0: a single run; n >= 1: a population of n seeds), a CPU thread pool size (0: XLA's
-    default) and, for a jaxddppo checkout, its train.exact_reductions and whether it runs with
-    the opt-in CPU tuning (`CPU_TUNING`)."""
+    default) and, for a jaxddppo checkout, its train.exact_reductions."""
 
     contender: str  # one of CHECKOUTS or PEERS
     config: str  # a key of CONFIGS
@@ -125,15 +120,13 @@ class Trial:
     seeds: int = 0
     cpu_threads: int = 0
     exact_reductions: bool = True
-    cpu_tuning: bool = False
 
     @property
     def label(self) -> str:
         population = f", {self.seeds} seeds" if self.seeds else ""
         threads = f", {self.cpu_threads} CPU thread(s)" if self.cpu_threads else ""
         reductions = "" if self.exact_reductions else ", exact_reductions=false"
-        tuning = ", CPU tuning" if self.cpu_tuning else ""
-        return f"{self.contender} {self.config}, {self.devices} device(s){population}{threads}{reductions}{tuning}"
+        return f"{self.contender} {self.config}, {self.devices} device(s){population}{threads}{reductions}"
 
 
 @dataclass(frozen=True)
@@ -186,17 +179,13 @@ def population_rows(peers: Sequence[str]) -> list[Comparison]:
 
 
 def guard_rows(peers: Sequence[str]) -> list[Comparison]:
-    """Each config with this checkout's defaults (reported) and, but for the small config,
-    with its opt-in CPU tuning and the baseline's plain all-reduces (guarded: the baseline
-    predates train.exact_reductions)."""
-    rows = []
-    for config, devices, seeds in (("small", 1, 0), ("large", 1, 0), ("large", 2, 0), ("small", 2, GUARD_SEEDS)):
-        baseline = Trial("baseline", config, devices, seeds)
-        rows.append(Comparison("guard", Trial("jaxddppo", config, devices, seeds), baseline))
-        if seeds or config == "large":
-            tuned = Trial("jaxddppo", config, devices, seeds, exact_reductions=False, cpu_tuning=True)
-            rows.append(Comparison("guard", tuned, baseline, guarded=True))
-    return rows
+    """Each config with both checkouts' defaults: the large config on 1 device and the sweep
+    guarded, the others reported (on 2 devices this checkout's exact reductions, which the
+    baseline predates, have a price of their own: the reductions suite)."""
+    return [Comparison("guard", Trial("jaxddppo", config, devices, seeds), Trial("baseline", config, devices, seeds),
+                       guarded=guarded)
+            for config, devices, seeds, guarded in (("small", 1, 0, False), ("large", 1, 0, True),
+                                                    ("large", 2, 0, False), ("small", 2, GUARD_SEEDS, True))]
 
 
 def reductions_rows(peers: Sequence[str]) -> list[Comparison]:
@@ -251,11 +240,9 @@ class BenchError(RuntimeError):
     """A trial failed; the message names it and ends with its output's last lines."""
 
 
-def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path, exact_reductions: bool = True,
-                    cpu_tuning: bool = False) -> dict[str, Any]:
+def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path, exact_reductions: bool = True) -> dict[str, Any]:
     """The jaxddppo config of a benchmark spec: no checkpoints in between, no progress output.
-    train.exact_reductions is written only when false and the CPU tuning only when asked (a
-    baseline checkout may predate them)."""
+    train.exact_reductions is written only when false (a baseline checkout may predate it)."""
     config = {
         "env": {"id": spec["env_id"], "num_envs": spec["num_envs"]},
         "network": {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"]},
@@ -272,9 +259,6 @@ def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path, exact_reductions: bo
     }
     if not exact_reductions:
         config["train"]["exact_reductions"] = False
-    if cpu_tuning:
-        for section, values in CPU_TUNING.items():
-            config[section].update(values)
     return config
 
 
@@ -283,7 +267,7 @@ def trial_command(trial: Trial, spec: Mapping[str, Any], sources: Sources, scrat
     on a config file written there, or benchmarks/peers.py writing scratch/result.json."""
     if trial.contender in CHECKOUTS:
         config_path = scratch / "config.yaml"
-        config = jaxddppo_config(spec, scratch / "run", trial.exact_reductions, trial.cpu_tuning)
+        config = jaxddppo_config(spec, scratch / "run", trial.exact_reductions)
         config_path.write_text(yaml.safe_dump(config))
         if trial.seeds:
             return [sys.executable, "-m", "jaxddppo.sweep", "--config", str(config_path), "--seeds", str(trial.seeds)]

@@ -74,14 +74,6 @@ class NetworkConfig:
         choices=("gru", "lstm"),
     )
     recurrent_size: int = _opt(128, "hidden units of the recurrent core")
-    dense_gradient: str = _opt(
-        "autodiff", "how the Dense layers' kernel gradients are computed: autodiff, or cpu_transposed "
-        "(jaxddppo.cpu_tuning.dense_dot_general: the layer's inputs transposed into a matrix of their own, a "
-        "layout XLA's CPU backend multiplies faster: 1.18x steps/s for 2048 CartPole environments, "
-        "docs/benchmarks.md). The same forward pass; gradients differ from autodiff's in the last bits. Recurrent "
-        "cores and convolutions keep autodiff",
-        choices=("autodiff", "cpu_transposed"),
-    )
 
 
 @dataclass(frozen=True)
@@ -102,18 +94,6 @@ class PPOConfig:
     ent_coef: float = _opt(0.01, "entropy bonus coefficient")
     max_grad_norm: float = _opt(0.5, "global-norm gradient clipping threshold")
     normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
-    minibatch_shuffle: str = _opt(
-        "jax", "how each epoch's order of samples is drawn: jax (jax.random.permutation) or cpu_sorts "
-        "(jaxddppo.cpu_tuning.sort_permutations: other orders, which XLA's CPU backend draws faster: 1.51x steps/s "
-        "for 2048 CartPole environments, docs/benchmarks.md)", choices=("jax", "cpu_sorts"),
-    )
-    flat_optimizer: bool = _opt(
-        False, "clip and apply Adam to the parameters laid end to end in one vector (jaxddppo.cpu_tuning."
-        "flat_optimizer, optax.flatten): fewer kernels, which XLA's CPU backend compiles faster (0.92x the compile "
-        "time, 0.98x steps/s for 2048 CartPole environments, docs/benchmarks.md). The same arithmetic but for the "
-        "order of the global norm's sum; the optimizer state is one vector per statistic, so a checkpoint resumes "
-        "only with the setting it was saved with"
-    )
 
 
 @dataclass(frozen=True)
@@ -173,11 +153,12 @@ class RunConfig:
         "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count); python -m jaxddppo.sweep "
         "then takes one device per core, as many as divide the member count (docs/sweeps.md). The CPU backend only"
     )
-    fast_cpu_compile: bool = _opt(
-        False, "on CPU, compile the training programs at XLA's backend optimisation level 2 instead of 3 and the "
-        "initialisation, which runs once, at 0 with XLA's older kernel emitter (jaxddppo.cpu_tuning): 0.69x the "
-        "compile time for 2048 CartPole environments, steps/s no lower (docs/benchmarks.md); results differ from a "
-        "run without it in the last bits. Other platforms: no effect"
+    cpu_tuning: str = _opt(
+        "auto", "the CPU switch (jaxddppo.cpu_tuning): on, minibatch orders drawn by sorts of integers, Dense kernel "
+        "gradients from transposed inputs and lower XLA optimisation levels, which XLA's CPU backend runs or compiles "
+        "faster (docs/benchmarks.md); off, the plain path; auto, on where the run's devices are CPUs. Results differ "
+        "between on and off beyond the last bits (the minibatch orders); config.yaml records the resolved value",
+        choices=("auto", "on", "off"),
     )
 
 
@@ -323,7 +304,14 @@ def _sections() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
 
 
+# The CPU options that `run.cpu_tuning` replaced: a run directory written with them still resumes.
+REPLACED_CPU_OPTIONS = ("network.dense_gradient", "ppo.minibatch_shuffle", "ppo.flat_optimizer",
+                        "run.fast_cpu_compile")
+
+
 def _unknown_key_message(key: str) -> str:
+    if key in REPLACED_CPU_OPTIONS:
+        return f"'{key}' was replaced by run.cpu_tuning (auto, on or off; docs/configuration.md)"
     known = [opt.key for opt in options()]
     if "." not in key and key not in _sections():
         close = difflib.get_close_matches(key, _sections(), n=1, cutoff=0.5)
@@ -409,11 +397,26 @@ def _merge(base: Any, layer: Any, source: str) -> Any:
 
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
     """Defaults, then the YAML file (if any), then `key=value` overrides; validated."""
+    return _load(None if path is None else _load_yaml(path), path, overrides)
+
+
+def _load(layer: Any, source: Optional[str], overrides: Iterable[str]) -> Config:
     merged = OmegaConf.structured(Config)
-    if path is not None:
-        merged = _merge(merged, _load_yaml(path), path)
+    if layer is not None:
+        merged = _merge(merged, layer, source)
     merged = _merge(merged, _parse_overrides(overrides), "command line")
+    return _validated(merged)
+
+
+# YAML 1.1 reads an unquoted on / off as a boolean, which the string option receives as True / False.
+_SWITCH_FROM_YAML_BOOLEAN = {"True": "on", "False": "off"}
+
+
+def _validated(merged: Any) -> Config:
+    """The Config of merged layers, with `run.cpu_tuning: on` read as written, validated."""
     config = OmegaConf.to_object(merged)
+    switch = _SWITCH_FROM_YAML_BOOLEAN.get(config.run.cpu_tuning, config.run.cpu_tuning)
+    config = dataclasses.replace(config, run=dataclasses.replace(config.run, cpu_tuning=switch))
     validate(config)
     return config
 
@@ -422,16 +425,13 @@ def from_dict(values: dict) -> Config:
     """A config from a nested dict of overrides (the Python API), validated."""
     _check_sections(values, "config")
     merged = _merge(OmegaConf.structured(Config), OmegaConf.create(values), "config")
-    config = OmegaConf.to_object(merged)
-    validate(config)
-    return config
+    return _validated(merged)
 
 
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "run.fast_cpu_compile", "network.dense_gradient", "eval.*", "checkpoint.*", "distributed.*",
-    "debug.*",
+    "run.cpu_devices", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 
@@ -456,8 +456,9 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
         raise ConfigError(f"run directory {run_dir} does not exist")
     if not os.path.isfile(path):
         raise ConfigError(f"run directory {run_dir} has no config.yaml; is it a jaxddppo run directory?")
-    stored = load_config(path)
-    resumed = load_config(path, overrides)
+    layer = _with_cpu_tuning(_load_yaml(path), path)
+    stored = _load(layer, path, ())
+    resumed = _load(layer, path, overrides)
     before, after = _flat(to_dict(stored)), _flat(to_dict(resumed))
     for key in before:
         if before[key] != after[key] and key != "run.dir" and not _resumable(key):
@@ -468,6 +469,26 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
     if before["run.dir"] != after["run.dir"]:
         raise ConfigError(f"run.dir={after['run.dir']!r} cannot be set on resume: the run directory is {run_dir}")
     return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
+
+
+def _with_cpu_tuning(layer: Any, path: str) -> Any:
+    """A run directory's config, with the CPU options of a run written before `run.cpu_tuning`
+    replaced by the switch that draws the same minibatch orders (the others changed only the
+    last bits, and a resume could change them)."""
+    values = OmegaConf.to_container(layer)
+    replaced = {}
+    for key in REPLACED_CPU_OPTIONS:
+        section, name = key.split(".")
+        if isinstance(values.get(section), dict) and name in values[section]:
+            replaced[key] = values[section].pop(name)
+    if not replaced:
+        return layer
+    if replaced.get("ppo.flat_optimizer"):
+        raise ConfigError(f"{path}: ppo.flat_optimizer=true is gone (its optimizer state was one vector; this "
+                          "version's is a tree): resume this run with the jaxddppo that started it")
+    tuning = "on" if replaced.get("ppo.minibatch_shuffle") == "cpu_sorts" else "off"
+    values.setdefault("run", {})["cpu_tuning"] = tuning
+    return OmegaConf.create(values)
 
 
 def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
@@ -483,9 +504,7 @@ def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
             target = target.setdefault(name, {})
         target[leaf] = list(value) if isinstance(value, tuple) else value
     merged = _merge(OmegaConf.structured(config), OmegaConf.create(nested), "override")
-    result = OmegaConf.to_object(merged)
-    validate(result)
-    return result
+    return _validated(merged)
 
 
 def as_config(config: Union[Config, Mapping, str, os.PathLike]) -> Config:
@@ -541,17 +560,16 @@ def validate(config: Config) -> None:
     if config.train.num_shards is not None:
         _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
                "must be at least 1 (or left unset for one shard per device)")
-    _check(config.checkpoint.every_updates >= 0, "checkpoint.every_updates", config.checkpoint.every_updates,
-           "must be >= 0 (0: none by update count)")
-    _check(config.checkpoint.every_seconds >= 0, "checkpoint.every_seconds", config.checkpoint.every_seconds,
-           "must be >= 0 (0: none by time)")
-    _check(config.train.seed >= 0, "train.seed", config.train.seed, "must be non-negative")
-    _check(config.run.cpu_threads >= 0, "run.cpu_threads", config.run.cpu_threads,
-           "must be >= 0 (0: XLA's default, one per core)")
-    _check(config.run.cpu_devices >= 0, "run.cpu_devices", config.run.cpu_devices,
-           "must be >= 0 (0: JAX's default)")
-    _check(config.eval.every_updates >= 0, "eval.every_updates", config.eval.every_updates,
-           "must be >= 0 (0: evaluate only at the end)")
+    non_negative = [
+        ("checkpoint.every_updates", config.checkpoint.every_updates, " (0: none by update count)"),
+        ("checkpoint.every_seconds", config.checkpoint.every_seconds, " (0: none by time)"),
+        ("train.seed", config.train.seed, ""),
+        ("run.cpu_threads", config.run.cpu_threads, " (0: XLA's default, one per core)"),
+        ("run.cpu_devices", config.run.cpu_devices, " (0: JAX's default)"),
+        ("eval.every_updates", config.eval.every_updates, " (0: evaluate only at the end)"),
+    ]
+    for key, value, meaning in non_negative:
+        _check(value >= 0, key, value, f"must be >= 0{meaning}")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
     _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
     for key in ("gamma", "gae_lambda"):

@@ -1,45 +1,67 @@
-"""Opt-in CPU tuning: what XLA's CPU backend runs much faster written another way.
+"""The CPU switch, `run.cpu_tuning`, and the CPU backend's devices and threads.
 
-Nothing here is used unless a config option asks for it; everything is plain, public JAX,
-and importing it changes nothing in JAX.
+`run.cpu_tuning` is `auto` (the default: on where the run's devices are CPUs), `on` or
+`off`. `resolve` fixes `auto` once the devices are known; the run directory's config.yaml
+records the resolved value, so a resume draws what the run drew on any backend. On, it
+turns on what XLA's CPU backend runs or compiles faster written another way, each kept
+because it pays on this project's large config (docs/benchmarks.md has the timings and
+the commands); results differ from the plain path's in the last bits (the shuffle: in its
+random orders), not in the algorithm:
 
-`ppo.minibatch_shuffle=cpu_sorts` draws the epochs' minibatch orders with
-`sort_permutations` instead of `jax.random.permutation`. JAX shuffles by sorting
-(random key, index) pairs, and XLA's CPU backend sorts pairs by calling a compiled
-comparator for every comparison; it sorts one array of integers directly
-(docs/benchmarks.md has the timings and the command).
+- `sort_permutations` draws the epochs' minibatch orders instead of
+  `jax.random.permutation`. JAX shuffles by sorting (random key, index) pairs, and XLA's
+  CPU backend sorts pairs by calling a compiled comparator for every comparison; it sorts
+  one array of integers directly.
+- `compiler_options`: XLA's CPU backend spends most of a compile in LLVM, whose level 3
+  makes these programs no faster than its level 2, and whose level 0, with XLA's older
+  kernel emitter, suffices for a program that runs once.
+- `dense_dot_general` gives each Dense layer the same product, whose kernel gradient
+  multiplies the layer's inputs transposed into a matrix of their own (an optimisation
+  barrier keeps XLA from folding the transpose back into the product), a layout XLA's CPU
+  backend multiplies faster than the one autodiff leaves it.
 
-`run.fast_cpu_compile` compiles the programs with `compiler_options`: XLA's CPU backend
-spends most of a compile in LLVM, whose level 3 makes these programs no faster than its
-level 2, and whose level 0, with XLA's older kernel emitter, suffices for a program that
-runs once.
-
-`network.dense_gradient=cpu_transposed` gives each Dense layer `dense_dot_general`: the same
-product, whose kernel gradient multiplies the layer's inputs transposed into a matrix of their
-own (an optimisation barrier keeps XLA from folding the transpose back into the product),
-a layout XLA's CPU backend multiplies faster than the one autodiff leaves it.
-
-`ppo.flat_optimizer` runs the gradient clipping and Adam through `flat_optimizer`, on the
-parameters laid end to end in one vector: a few kernels per SGD step instead of a few per
-parameter array, which XLA's CPU backend compiles faster.
+Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the sweep
+command's default of one device per core) and XLA's thread pool (`run.cpu_threads`) are set
+here too, before JAX starts its backend. Importing this module changes nothing in JAX.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import os
+from dataclasses import replace
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.experimental
 import jax.numpy as jnp
 import numpy as np
-import optax
+
+from jaxddppo.config import Config, with_overrides
+
+# The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
+CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 # A block with 64-bit types on: jax.enable_x64 in newer JAX, jax.experimental.enable_x64 in older.
 _SIXTY_FOUR_BITS = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
 
 # JAX's criterion for the random bits a shuffle needs: 3 x log2(n), so that ties are rare.
 _BITS_PER_ELEMENT_FACTOR = 3
+
+
+def resolve(config: Config, platform: str) -> Config:
+    """`config` with `run.cpu_tuning=auto` decided for devices of `platform` (a device's
+    `.platform`): on for "cpu", off elsewhere; `on` and `off` stay as they are."""
+    if config.run.cpu_tuning != "auto":
+        return config
+    return replace(config, run=replace(config.run, cpu_tuning="on" if platform == "cpu" else "off"))
+
+
+def is_on(config: Config) -> bool:
+    """Whether a resolved config (`resolve`) trains with the CPU techniques."""
+    if config.run.cpu_tuning == "auto":
+        raise ValueError("run.cpu_tuning=auto is decided by cpu_tuning.resolve once the devices are known")
+    return config.run.cpu_tuning == "on"
 
 
 def sort_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Array:
@@ -121,12 +143,6 @@ def _dense_product_backward(
 _dense_product.defvjp(_dense_product_forward, _dense_product_backward)
 
 
-def flat_optimizer(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`optimizer` applied to the parameters and gradients raveled into one vector
-    (`optax.flatten`): the same arithmetic element by element, but for the order in which
-    a global norm sums; its state holds one vector per statistic instead of a tree."""
-    return optax.flatten(optimizer)
-
 
 def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
     """`Lowered.compile` options for a program on `platform` (a device's `.platform`):
@@ -139,3 +155,101 @@ def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
     if runs_once:
         return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
     return {"xla_backend_optimization_level": 2}
+
+
+def backend_started() -> bool:
+    """Whether JAX's backends have started (its devices exist), through public API: the
+    CPU device count may change only before they start, and JAX refuses another value after."""
+    count = jax.config.jax_num_cpu_devices
+    try:
+        jax.config.update("jax_num_cpu_devices", -2 if count == -1 else -1)  # both mean "not set"
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", count)
+    return False
+
+
+def set_cpu_threads(cpu_threads: int) -> Optional[str]:
+    """Size XLA's CPU thread pool (`run.cpu_threads`; 0 leaves XLA's default, one thread per core).
+
+    The pool is created with JAX's backend, from the PJRT_NPROC environment
+    variable, so this must run before the first JAX computation of the process.
+    Returns a one-line warning when the backend had started already with another
+    setting (in a notebook, say), else None.
+    """
+    if cpu_threads == 0:
+        return None
+    wanted = str(cpu_threads)
+    if backend_started():
+        if os.environ.get("PJRT_NPROC") == wanted:
+            return None
+        return (f"warning: run.cpu_threads={cpu_threads} has no effect: JAX's backend started before it was "
+                f"set; set it in a fresh process, or PJRT_NPROC={cpu_threads} in the environment")
+    os.environ["PJRT_NPROC"] = wanted
+    return None
+
+
+def set_cpu_devices(cpu_devices: int) -> Optional[str]:
+    """Split the CPU into `cpu_devices` JAX devices (`run.cpu_devices`; 0 leaves JAX's
+    default: one, or as many as XLA_FLAGS' --xla_force_host_platform_device_count says).
+
+    Like the thread pool, the CPU devices are created with JAX's backend, so this must
+    run before the first JAX computation of the process. Returns a one-line warning when
+    the backend had started already with another count, else None.
+    """
+    if cpu_devices == 0:
+        return None
+    if backend_started():
+        try:
+            if len(jax.devices("cpu")) == cpu_devices:
+                return None
+        except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+            return f"warning: run.cpu_devices={cpu_devices} has no effect: JAX runs without its CPU backend"
+        return (f"warning: run.cpu_devices={cpu_devices} has no effect: JAX's backend started before it was "
+                f"set; set it in a fresh process, or XLA_FLAGS={CPU_DEVICE_COUNT_FLAG}={cpu_devices}")
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
+    return None
+
+
+def set_up_cpu(config: Config) -> list[str]:
+    """Size the CPU thread pool and the CPU device count before JAX starts its backend;
+    their warnings, if any."""
+    warnings = [set_cpu_threads(config.run.cpu_threads), set_cpu_devices(config.run.cpu_devices)]
+    return [warning for warning in warnings if warning is not None]
+
+
+def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
+    """Whether this process will run on CPU devices whose count nothing has decided yet:
+    not `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run (`distributed.*`)
+    or a backend that has started already, and JAX_PLATFORMS, if set, names the CPU first."""
+    distributed = config.distributed.coordinator is not None or config.distributed.auto
+    decided = (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
+               or backend_started())
+    platform = (environ.get("JAX_PLATFORMS") or "cpu").split(",")[0].strip()
+    return not decided and platform == "cpu"
+
+
+def usable_cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_devices_per_core(num_members: int, num_cores: int) -> int:
+    """The most CPU devices, at most one per core, that `num_members` split over evenly."""
+    return max(devices for devices in range(1, min(num_members, num_cores) + 1) if num_members % devices == 0)
+
+
+def with_cpu_device_per_core(config: Config, num_members: int, num_cores: int,
+                             environ: Mapping[str, str]) -> Config:
+    """The sweep command's default for `run.cpu_devices`: one CPU device per core, as many
+    as divide the member count, where the CPU switch is not off, nothing else decides the
+    device count and JAX runs on the CPU (`cpu_device_count_open`). Members never
+    communicate, and on one device XLA's thread pool gains little from more cores for them.
+    The Python API leaves the count alone: the devices of a process are fixed once JAX
+    starts, and a training run in the same process would share its gradients over all of them."""
+    if config.run.cpu_tuning == "off" or not cpu_device_count_open(config, environ):
+        return config
+    devices = cpu_devices_per_core(num_members, num_cores)
+    return config if devices == 1 else with_overrides(config, {"run.cpu_devices": devices})

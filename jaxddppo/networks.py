@@ -134,8 +134,8 @@ def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
 
 
 def _dense(features: int, scale: float, gradient: str) -> nn.Dense:
-    """A Dense layer; `gradient` is `network.dense_gradient` (autodiff, or cpu_transposed: the kernel
-    gradient of `cpu_tuning.dense_dot_general`)."""
+    """A Dense layer; `gradient` is autodiff, or cpu_transposed (with `run.cpu_tuning` on): the
+    kernel gradient of `cpu_tuning.dense_dot_general`."""
     dot_general = cpu_tuning.dense_dot_general if gradient == "cpu_transposed" else None
     return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros,
                     dot_general=dot_general)
@@ -214,18 +214,10 @@ def zero_carry(kind: str, size: int, batch_size: int) -> Any:
     return zeros if kind == "gru" else (zeros, zeros)
 
 
-class RecurrentActorCriticModule(nn.Module):
+class RecurrentActorCriticModule(ActorCriticModule):
     """Torso, then a GRU or LSTM core, then the heads. Separate torsos get separate cores,
     so the carry is a tuple with one entry per core (actor, critic) or one (shared)."""
 
-    hidden_sizes: Sequence[int]
-    activation: str
-    cnn_channels: Sequence[int]
-    shared_torso: bool
-    discrete: bool
-    num_actions: int
-    init_log_std: float
-    dense_gradient: str
     recurrent: str
     recurrent_size: int
 
@@ -352,7 +344,9 @@ def observation_layout(config: NetworkConfig, spec: EnvSpec) -> ObservationLayou
     return ObservationLayout(features=features, use_cnn=use_cnn, mask_key=spec.action_mask_key)
 
 
-def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
+def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dense_gradient: str = "autodiff") -> ActorCritic:
+    """The actor-critic `config` describes for `spec`'s observations and actions; `dense_gradient`
+    is "autodiff" or, with the CPU switch on, "cpu_transposed" (`_dense`)."""
     layout = observation_layout(config, spec)
     common = {
         "hidden_sizes": tuple(config.hidden_sizes),
@@ -362,7 +356,7 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec) -> ActorCritic:
         "discrete": spec.discrete,
         "num_actions": spec.num_actions,
         "init_log_std": config.init_log_std,
-        "dense_gradient": config.dense_gradient,
+        "dense_gradient": dense_gradient,
     }
     if config.recurrent is not None:
         return _recurrent_actor_critic(config, RecurrentActorCriticModule(

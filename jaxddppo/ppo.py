@@ -72,8 +72,7 @@ class UpdateSettings:
     critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
-    minibatch_shuffle: str = "jax"  # ppo.minibatch_shuffle
-    flat_optimizer: bool = False  # ppo.flat_optimizer
+    minibatch_shuffle: str = "jax"  # jax, or cpu_sorts with run.cpu_tuning on
     exact_reductions: bool = True  # train.exact_reductions
 
     @classmethod
@@ -94,8 +93,7 @@ class UpdateSettings:
             critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
             normalize_observations=config.env.normalize_observations,
             scale_rewards=config.env.scale_rewards,
-            minibatch_shuffle=ppo.minibatch_shuffle,
-            flat_optimizer=ppo.flat_optimizer,
+            minibatch_shuffle="cpu_sorts" if cpu_tuning.is_on(config) else "jax",
             exact_reductions=config.train.exact_reductions,
         )
 
@@ -157,16 +155,10 @@ class LossInfo:
 
 
 @struct.dataclass
-class UpdateMetrics:
+class UpdateMetrics(LossInfo):
     """Per-update metrics, identical on every shard: the LossInfo fields (means over all
     SGD steps and shards), then statistics of the rollout."""
 
-    policy_loss: jax.Array
-    value_loss: jax.Array
-    entropy: jax.Array
-    approx_kl: jax.Array
-    clip_fraction: jax.Array
-    grad_norm: jax.Array
     explained_variance: jax.Array
     learning_rate: jax.Array
     episode_return_mean: jax.Array  # NaN if no episode ended during the update
@@ -216,14 +208,12 @@ def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings:
 
 
 def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
-    """Global-norm clipping, then Adam, then the (annealed) learning rate; over the parameter
-    tree, or over one vector with `ppo.flat_optimizer` (`cpu_tuning.flat_optimizer`)."""
-    optimizer = optax.chain(
+    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
+    return optax.chain(
         optax.clip_by_global_norm(hyperparams.max_grad_norm),
         optax.scale_by_adam(eps=hyperparams.adam_eps),
         optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
     )
-    return cpu_tuning.flat_optimizer(optimizer) if settings.flat_optimizer else optimizer
 
 
 def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
@@ -288,7 +278,7 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 
 def epoch_permutations(key: jax.Array, num_items: int, settings: UpdateSettings) -> jax.Array:
     """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch, drawn as
-    `ppo.minibatch_shuffle` says."""
+    `settings.minibatch_shuffle` says."""
     if settings.minibatch_shuffle == "cpu_sorts":
         return cpu_tuning.sort_permutations(key, settings.num_epochs, num_items)
     return jax.vmap(lambda k: jax.random.permutation(k, num_items))(jax.random.split(key, settings.num_epochs))
@@ -553,18 +543,13 @@ def init_train_state(
     num_envs_per_shard: int,
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
-    params: Any = None,
 ) -> TrainState:
-    """One shard's initial state. Parameters are `initial_params(seed, ...)` unless given;
-    environment and update keys are folded from the global shard index.
-
-    A sweep passes `params` in, computed one member at a time: XLA on CPU can hang
-    running a program that initialises several members' networks at once (batched QR).
-    """
+    """One shard's initial state: parameters `initial_params(seed, ...)`; environment and
+    update keys folded from the global shard index."""
     root = jax.random.key(seed)
     shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
     obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = initial_params(seed, network, obs) if params is None else params
+    params = initial_params(seed, network, obs)
     opt_state = optimizer_state(params, hyperparams, settings)
     rollout = RolloutState(env_state, obs)
     if network.recurrent:

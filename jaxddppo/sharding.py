@@ -21,11 +21,10 @@ Other modules never name an axis: they call `DeviceShards`' methods.
 from __future__ import annotations
 
 import functools
-import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +32,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, ConfigError, DistributedConfig
 
 DEVICE_AXIS = "device"
 MEMBER_AXIS = "member"
-# The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
-CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 @dataclass(frozen=True)
@@ -515,92 +513,15 @@ def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
             time.sleep(0.25)
 
 
-def backend_started() -> bool:
-    """Whether JAX's backends have started (its devices exist), through public API: the
-    CPU device count may change only before they start, and JAX refuses another value after."""
-    count = jax.config.jax_num_cpu_devices
-    try:
-        jax.config.update("jax_num_cpu_devices", -2 if count == -1 else -1)  # both mean "not set"
-    except RuntimeError:
-        return True
-    jax.config.update("jax_num_cpu_devices", count)
-    return False
-
-
-def set_cpu_threads(cpu_threads: int) -> Optional[str]:
-    """Size XLA's CPU thread pool (`run.cpu_threads`; 0 leaves XLA's default, one thread per core).
-
-    The pool is created with JAX's backend, from the PJRT_NPROC environment
-    variable, so this must run before the first JAX computation of the process.
-    Returns a one-line warning when the backend had started already with another
-    setting (in a notebook, say), else None.
-    """
-    if cpu_threads == 0:
-        return None
-    wanted = str(cpu_threads)
-    if backend_started():
-        if os.environ.get("PJRT_NPROC") == wanted:
-            return None
-        return (f"warning: run.cpu_threads={cpu_threads} has no effect: JAX's backend started before it was "
-                f"set; set it in a fresh process, or PJRT_NPROC={cpu_threads} in the environment")
-    os.environ["PJRT_NPROC"] = wanted
-    return None
-
-
-def set_cpu_devices(cpu_devices: int) -> Optional[str]:
-    """Split the CPU into `cpu_devices` JAX devices (`run.cpu_devices`; 0 leaves JAX's
-    default: one, or as many as XLA_FLAGS' --xla_force_host_platform_device_count says).
-
-    Like the thread pool, the CPU devices are created with JAX's backend, so this must
-    run before the first JAX computation of the process. Returns a one-line warning when
-    the backend had started already with another count, else None.
-    """
-    if cpu_devices == 0:
-        return None
-    if backend_started():
-        try:
-            if len(jax.devices("cpu")) == cpu_devices:
-                return None
-        except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
-            return f"warning: run.cpu_devices={cpu_devices} has no effect: JAX runs without its CPU backend"
-        return (f"warning: run.cpu_devices={cpu_devices} has no effect: JAX's backend started before it was "
-                f"set; set it in a fresh process, or XLA_FLAGS={CPU_DEVICE_COUNT_FLAG}={cpu_devices}")
-    jax.config.update("jax_num_cpu_devices", cpu_devices)
-    return None
-
-
-def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
-    """Whether this process will run on CPU devices whose count nothing has decided yet:
-    not `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run (`distributed.*`)
-    or a backend that has started already, and JAX_PLATFORMS, if set, names the CPU first."""
-    distributed = config.distributed.coordinator is not None or config.distributed.auto
-    decided = (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
-               or backend_started())
-    platform = (environ.get("JAX_PLATFORMS") or "cpu").split(",")[0].strip()
-    return not decided and platform == "cpu"
-
-
-def usable_cpu_cores() -> int:
-    """The cores this process may run on (its CPU affinity, where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def cpu_devices_per_core(num_members: int, num_cores: int) -> int:
-    """The most CPU devices, at most one per core, that `num_members` split over evenly."""
-    return max(devices for devices in range(1, min(num_members, num_cores) + 1) if num_members % devices == 0)
-
-
 def start_backend(config: Config) -> list[str]:
     """What a run or a sweep does before its first JAX computation: size the CPU thread
-    pool (`set_cpu_threads`) and the CPU device count (`set_cpu_devices`), then join a
+    pool and the CPU device count (`cpu_tuning.set_up_cpu`), then join a
     multi-process run if the config asks for one and none is joined yet. Returns their
     warnings, if any."""
-    warnings = [set_cpu_threads(config.run.cpu_threads), set_cpu_devices(config.run.cpu_devices)]
+    warnings = cpu_tuning.set_up_cpu(config)
     if not jax.distributed.is_initialized():
         initialize_distributed(config.distributed)
-    return [warning for warning in warnings if warning is not None]
+    return warnings
 
 
 def initialize_distributed(config: DistributedConfig) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxddppo import sharding
+from jaxddppo import cpu_tuning, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
@@ -415,20 +415,6 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
     return plain, grid
 
 
-def with_cpu_device_per_core(config: Config, num_members: int, num_cores: int,
-                             environ: Mapping[str, str]) -> Config:
-    """The sweep command's default for `run.cpu_devices`: one CPU device per core, as many
-    as divide the member count, where nothing else decides the device count and JAX runs
-    on the CPU (`sharding.cpu_device_count_open`). Members never communicate, and on one
-    device XLA's thread pool gains little from more cores for them. The Python API leaves
-    the count alone: the devices of a process are fixed once JAX starts, and a training run
-    in the same process would share its gradients over all of them."""
-    if not sharding.cpu_device_count_open(config, environ):
-        return config
-    devices = sharding.cpu_devices_per_core(num_members, num_cores)
-    return config if devices == 1 else with_overrides(config, {"run.cpu_devices": devices})
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(
         prog="python -m jaxddppo.sweep",
@@ -452,8 +438,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--member-devices", type=int,
                         help="devices the members are split over (default: as many as divide the member count). "
                         "Unless this, run.cpu_devices, XLA_FLAGS' device count, distributed.* or JAX_PLATFORMS (naming "
-                        "another platform first) decides the devices, the CPU is split into one device per core, as "
-                        "many as divide the member count")
+                        "another platform first) decides the devices, or run.cpu_tuning=off, the CPU is split into one "
+                        "device per core, as many as divide the member count")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value|[v1,v2,...]",
                         help="override or sweep one option")
     args = parser.parse_intermixed_args(argv)
@@ -474,7 +460,7 @@ def start(args: argparse.Namespace) -> SweepResult:
     config = load_config(args.config, plain)
     if args.member_devices is None:
         num_members = len(expand_members(config, grid, args.seeds))
-        split = with_cpu_device_per_core(config, num_members, sharding.usable_cpu_cores(), os.environ)
+        split = cpu_tuning.with_cpu_device_per_core(config, num_members, cpu_tuning.usable_cpu_cores(), os.environ)
         if split is not config and config.run.progress:
             print(f"jaxddppo sweep: run.cpu_devices={split.run.cpu_devices}, one CPU device per core for "
                   f"{num_members} members (run.cpu_devices=1 keeps one device)", flush=True)

@@ -222,7 +222,9 @@ class Experiment:
 def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
              topology: sharding.Topology) -> Experiment:
     """The experiment of `members` (whose configs differ from `config` in seed and
-    hyperparameters at most) on `mesh`; compiles nothing."""
+    hyperparameters at most) on `mesh`; compiles nothing. The experiment's config has
+    `run.cpu_tuning` resolved for the mesh's devices."""
+    config = cpu_tuning.resolve(config, mesh.devices.flat[0].platform)
     env = make_env(config.env.id, config.env.optimistic_reset_ratio)
     return Experiment(
         config=config,
@@ -230,7 +232,8 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
         topology=topology,
         mesh=mesh,
         env=env,
-        network=make_actor_critic(config.network, env.spec),
+        network=make_actor_critic(config.network, env.spec,
+                                  dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff"),
         settings=UpdateSettings.from_config(config, topology),
     )
 
@@ -430,7 +433,7 @@ def compile_programs(experiment: Experiment) -> Programs:
     lowered from the initialisation's output shapes alone (nothing runs before every
     program is compiled). Each program compiles as soon as it is lowered, the longest
     first: XLA compiles without holding Python's GIL, so the next lowering runs beside
-    it. `run.fast_cpu_compile` passes `cpu_tuning.compiler_options`."""
+    it. With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
@@ -442,7 +445,7 @@ def compile_programs(experiment: Experiment) -> Programs:
     lowerings["init"] = traced_init.lower
     platform = experiment.mesh.devices.flat[0].platform
     options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
-               if experiment.config.run.fast_cpu_compile else {} for name in lowerings}
+               if cpu_tuning.is_on(experiment.config) else {} for name in lowerings}
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
         futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
                    for name, lower in lowerings.items()}
@@ -638,7 +641,8 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
         per_member = f" per member, {members} member(s) ({settings} setting(s)) on {rows} row(s) of such devices"
     progress.message(
         f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
-        f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es); "
+        f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es)"
+        f"{', CPU tuning on' if cpu_tuning.is_on(config) else ''}; "
         f"{topology.num_updates} updates of {topology.env_steps_per_update} steps{per_member}; "
         + (f"writing to {run_dir}" if is_writer else "process 0 writes the results")
     )

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from conftest import host_leaves, subprocess_env
 
 from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
-from jaxddppo.config import ConfigError, from_dict, load_resume_config
+from jaxddppo.config import ConfigError, from_dict, load_config, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.outputs import truncate_metrics
 from jaxddppo.normalization import normalize
@@ -104,12 +105,34 @@ def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):
         load_resume_config(one_go.run_dir, ["ppo.learning_rate=0.1"])
     with pytest.raises(ConfigError, match=r"^train\.num_shards=2 cannot change on resume"):
         load_resume_config(one_go.run_dir, ["train.num_shards=2"])
-    with pytest.raises(ConfigError, match=r"^ppo\.flat_optimizer=True cannot change on resume"):
-        load_resume_config(one_go.run_dir, ["ppo.flat_optimizer=true"])  # the optimizer state's layout
+    with pytest.raises(ConfigError, match=r"^run\.cpu_tuning='off' cannot change on resume \(the run has 'on'\)"):
+        load_resume_config(one_go.run_dir, ["run.cpu_tuning=off"])  # the minibatch orders
     with pytest.raises(ConfigError, match="run directory /nonexistent does not exist"):
         load_resume_config("/nonexistent")
     config = load_resume_config(one_go.run_dir, ["train.total_env_steps=4096", "checkpoint.keep=5"])
     assert config.train.total_env_steps == 4096 and config.checkpoint.keep == 5
+
+
+def test_config_yaml_records_the_resolved_cpu_switch_and_older_runs_resume_with_theirs(one_go, tmp_path):
+    """run.cpu_tuning=auto is written as what it resolved to (on, on this CPU); a run directory
+    written before the switch resumes with the switch that draws its minibatch orders."""
+    stored = yaml.safe_load((Path(one_go.run_dir) / "config.yaml").read_text())
+    assert stored["run"]["cpu_tuning"] == "on"
+    for shuffle, flat, switch in (("jax", False, "off"), ("cpu_sorts", False, "on"), ("cpu_sorts", True, None)):
+        older = tmp_path / f"{shuffle}-{flat}"
+        older.mkdir()
+        values = {**stored, "run": {key: value for key, value in stored["run"].items() if key != "cpu_tuning"}}
+        values["ppo"] = {**stored["ppo"], "minibatch_shuffle": shuffle, "flat_optimizer": flat}
+        values["network"] = {**stored["network"], "dense_gradient": "autodiff"}
+        values["run"]["fast_cpu_compile"] = True
+        (older / "config.yaml").write_text(yaml.safe_dump(values))
+        if switch is None:
+            with pytest.raises(ConfigError, match=r"ppo\.flat_optimizer=true is gone .* resume this run with"):
+                load_resume_config(str(older))
+        else:
+            assert load_resume_config(str(older)).run.cpu_tuning == switch
+    with pytest.raises(ConfigError, match=r"'ppo\.minibatch_shuffle' was replaced by run\.cpu_tuning"):
+        load_config(None, ["ppo.minibatch_shuffle=cpu_sorts"])
 
 
 def test_resume_below_the_steps_done_is_refused_and_changes_nothing(tmp_path):
@@ -332,9 +355,7 @@ def test_sigterm_saves_reports_and_resumes(tmp_path):
     assert str(stopped_at) in os.listdir(run_dir / "checkpoints")
     assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 1))
     total = (stopped_at + 2) * 128
-    # All three are resumable.
-    result = finish(run_dir, [f"train.total_env_steps={total}", "run.fast_cpu_compile=true",
-                              "network.dense_gradient=cpu_transposed"])
+    result = finish(run_dir, [f"train.total_env_steps={total}"])
     assert result.returncode == 0, result.stderr
     assert f"resumed from {run_dir / 'checkpoints'}/{stopped_at}" in result.stderr
     assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, stopped_at + 3))

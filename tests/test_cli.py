@@ -305,11 +305,12 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_
     assert os.listdir(run_dir / "checkpoints") == [str(MAIN_NUM_UPDATES)]
     assert_real_png(run_dir / "learning_curve.png")
 
-    # config.yaml: the requested config, with the shard count resolved for one device.
+    # config.yaml: the requested config, with the shard count resolved for one device and the CPU switch for a CPU.
     saved = load_config(str(run_dir / "config.yaml"))
     requested = load_config(str(real_runs.main_yaml), [f"run.dir={run_dir}"])
-    assert requested.train.num_shards is None
-    expected = dataclasses.replace(requested, train=dataclasses.replace(requested.train, num_shards=1))
+    assert requested.train.num_shards is None and requested.run.cpu_tuning == "auto"
+    expected = dataclasses.replace(requested, train=dataclasses.replace(requested.train, num_shards=1),
+                                   run=dataclasses.replace(requested.run, cpu_tuning="on"))
     assert saved == expected
     assert (saved.env.id, saved.env.num_envs, saved.ppo.num_steps) == ("CartPole-v1", 4, 16)
     assert (saved.train.total_env_steps, saved.train.updates_per_chunk, saved.eval.num_episodes) == (2048, 8, 4)

@@ -1,8 +1,7 @@
-"""jaxddppo.cpu_tuning: the opt-in shuffle is a uniformly random permutation, drawn as the
-stable sorts it describes, and training takes it through ppo.minibatch_shuffle; the opt-in
-compiler options reach every program and start training from the same state; the opt-in
-Dense product has Dense's forward pass and the gradients of a float64 NumPy reference; the
-opt-in flat optimizer keeps one vector per statistic."""
+"""jaxddppo.cpu_tuning: run.cpu_tuning resolves auto by platform; its shuffle is a uniformly
+random permutation, drawn as the stable sorts it describes; its compiler options reach every
+program and start training from the same state; its Dense product has Dense's forward pass and
+the gradients of a float64 NumPy reference."""
 
 import collections
 import itertools
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import host_leaves
-from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, sort_permutations
+from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, is_on, resolve, sort_permutations
 from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
 
 
@@ -77,15 +76,15 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
 
 
-def test_fast_cpu_compile_compiles_at_lower_levels_the_same_initial_state(monkeypatch):
-    """run.fast_cpu_compile: every program compiles with `compiler_options` for its
-    platform, the initialisation as a program that runs once; it starts from the state
-    a default compile starts from, but for the last bits."""
+def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypatch):
+    """run.cpu_tuning on: every program compiles with `compiler_options` for its platform,
+    the initialisation as a program that runs once; it starts from the state the plain path
+    starts from, but for the last bits."""
     from jaxddppo import cpu_tuning, train
     from jaxddppo.config import from_dict, with_overrides
 
-    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}})
-    default = train.build(config, jax.devices()[:1])
+    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
+    plain = train.build(config, jax.devices()[:1])
     asked = []
 
     def recorded(platform, runs_once):
@@ -93,13 +92,33 @@ def test_fast_cpu_compile_compiles_at_lower_levels_the_same_initial_state(monkey
         return compiler_options(platform, runs_once)
 
     monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
-    fast = train.build(with_overrides(config, {"run.fast_cpu_compile": True}), jax.devices()[:1])
-    fast_programs = train.compile_programs(fast)
+    train.compile_programs(plain)
+    assert asked == []
+    tuned = train.build(with_overrides(config, {"run.cpu_tuning": "auto"}), jax.devices()[:1])
+    assert tuned.config.run.cpu_tuning == "on" and tuned.settings.minibatch_shuffle == "cpu_sorts"
+    tuned_programs = train.compile_programs(tuned)
     assert sorted(asked) == [("cpu", False), ("cpu", True)]  # the chunk; the initialisation
-    want = default.init_state()
-    got = fast_programs.init(fast_programs.inputs)
+    want = plain.init_state()
+    got = tuned_programs.init(tuned_programs.inputs)
     for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("setting, platform, resolved", [
+    ("auto", "cpu", "on"), ("auto", "gpu", "off"), ("auto", "tpu", "off"), ("on", "gpu", "on"), ("off", "cpu", "off"),
+])
+def test_the_cpu_switch_resolves_auto_by_platform(setting, platform, resolved):
+    from jaxddppo.config import from_dict
+
+    config = resolve(from_dict({"run": {"cpu_tuning": setting}}), platform)
+    assert config.run.cpu_tuning == resolved and is_on(config) == (resolved == "on")
+
+
+def test_an_unresolved_switch_is_refused():
+    from jaxddppo.config import from_dict
+
+    with pytest.raises(ValueError, match="run.cpu_tuning=auto is decided by cpu_tuning.resolve"):
+        is_on(from_dict({}))
 
 
 def test_compiler_options_lower_levels_on_cpu_only():
@@ -114,11 +133,9 @@ def test_training_with_cpu_tuning_learns_the_same_bits_on_one_and_two_devices(tm
     from jaxddppo.train import run
 
     def train(num_devices):
-        config = {"env": {"num_envs": 8},
-                  "ppo": {"num_steps": 16, "minibatch_shuffle": "cpu_sorts", "flat_optimizer": True},
+        config = {"env": {"num_envs": 8}, "ppo": {"num_steps": 16},
                   "train": {"total_env_steps": 8 * 16 * 4, "num_shards": 2}, "eval": {"num_episodes": 2},
-                  "network": {"dense_gradient": "cpu_transposed"},
-                  "run": {"progress": False, "dir": str(tmp_path / str(num_devices)), "fast_cpu_compile": True}}
+                  "run": {"progress": False, "dir": str(tmp_path / str(num_devices)), "cpu_tuning": "on"}}
         return run(config, devices=jax.devices()[:num_devices]).summary
 
     one, two = train(1), train(2)
@@ -176,16 +193,16 @@ def test_dense_dot_general_refuses_other_products(dimensions, options):
         dense_dot_general(inputs, kernel, dimensions, **options)
 
 
-def test_network_dense_gradient_changes_gradients_only_in_the_last_bits():
-    """network.dense_gradient=cpu_transposed: the same parameters and outputs, gradients within
-    float32 rounding of autodiff's."""
+def test_the_switchs_dense_gradient_changes_gradients_only_in_the_last_bits():
+    """Dense kernel gradients from transposed inputs (run.cpu_tuning on): the same parameters and
+    outputs, gradients within float32 rounding of autodiff's."""
     from jaxddppo.config import NetworkConfig
     from jaxddppo.envs import make_env
     from jaxddppo.networks import make_actor_critic
 
     spec = make_env("CartPole-v1").spec
     obs = jax.random.normal(jax.random.key(1), (32, *spec.observation.shape))
-    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8), dense_gradient=gradient), spec)
+    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), spec, dense_gradient=gradient)
                 for gradient in ("autodiff", "cpu_transposed")]
     params = [network.init(jax.random.key(0), obs) for network in networks]
     for got, want in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[0]), strict=True):
@@ -202,23 +219,3 @@ def test_network_dense_gradient_changes_gradients_only_in_the_last_bits():
     assert barriers == [0, 3 * 2]  # one per Dense layer: two hidden per torso, a value and a policy head
     for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_flat_optimizer_state_is_one_vector_per_statistic():
-    """ppo.flat_optimizer: Adam's moments are one vector each, as long as all parameters together
-    (tests/test_maths.py checks its steps against a float64 reference)."""
-    import optax
-
-    from jaxddppo.config import PPOConfig
-    from jaxddppo.ppo import PPOHyperparams, optimizer_state
-
-    params = {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4), "log_std": jnp.zeros(2)}
-    settings = UpdateSettings(
-        num_steps=8, num_epochs=1, num_minibatches=1, minibatch_size=8, num_shards=1, num_updates=1,
-        clip_value=True, normalize_advantages=True, anneal_lr=False, num_envs=1, recurrent=False,
-        critic_after_steps=False, normalize_observations=False, scale_rewards=False, flat_optimizer=True,
-    )
-    state = optimizer_state(params, PPOHyperparams.from_config(PPOConfig()), settings)
-    is_adam = lambda node: isinstance(node, optax.ScaleByAdamState)
-    (adam,) = [node for node in jax.tree.leaves(state, is_leaf=is_adam) if is_adam(node)]
-    assert adam.mu.shape == adam.nu.shape == (12 + 4 + 2,)

@@ -471,10 +471,10 @@ def clipped_adam_reference(params, batch, minibatches, learning_rate, max_grad_n
     return params, norms
 
 
-@pytest.mark.parametrize("flat_optimizer", [False, True])
-def test_minibatch_steps_are_clipped_adam_over_every_parameter(flat_optimizer):
+@pytest.mark.parametrize("minibatch_shuffle", ["jax", "cpu_sorts"])
+def test_minibatch_steps_are_clipped_adam_over_every_parameter(minibatch_shuffle):
     """`run_epochs` against leaf-by-leaf float64 Adam after global-norm clipping: 2 epochs x 2 minibatches of the loss problem, some
-    steps clipped and some not; over the parameter tree or, with ppo.flat_optimizer, one vector."""
+    steps clipped and some not; in the minibatch orders of either shuffle (run.cpu_tuning off and on)."""
     params, batch_np = make_loss_problem()
     batch_np["obs"] = np.arange(8, dtype=np.float32)[:, None]
     learning_rate, max_grad_norm, adam_eps = 0.05, 0.25, 1e-5
@@ -483,7 +483,8 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(flat_optimizer):
     settings = UpdateSettings(
         num_steps=8, num_epochs=2, num_minibatches=2, minibatch_size=4, num_shards=1, num_updates=1,
         clip_value=True, normalize_advantages=False, anneal_lr=False, num_envs=1, recurrent=False,
-        critic_after_steps=False, normalize_observations=False, scale_rewards=False, flat_optimizer=flat_optimizer,
+        critic_after_steps=False, normalize_observations=False, scale_rewards=False,
+        minibatch_shuffle=minibatch_shuffle,
     )
     key = jax.random.key(3)
     jparams = jax.tree.map(jnp.asarray, params)

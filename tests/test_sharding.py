@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
 
-from jaxddppo import sharding, train
+from jaxddppo import cpu_tuning, sharding, train
 from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
@@ -327,12 +327,12 @@ def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrid
 THREADS_SCRIPT = """
 import json, sys
 from profile_update import xla_cpu_pool_threads
-from jaxddppo import sharding, train
+from jaxddppo import cpu_tuning, train
 from jaxddppo.config import from_dict
 
 result = train.run(from_dict(json.loads(sys.argv[1])))
 print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],
-                  "same_again": sharding.set_cpu_threads(3), "other_after_start": sharding.set_cpu_threads(2)}))
+                  "same_again": cpu_tuning.set_cpu_threads(3), "other_after_start": cpu_tuning.set_cpu_threads(2)}))
 """
 
 
@@ -373,8 +373,8 @@ def test_negative_cpu_threads_are_refused():
 
 def test_cpu_devices_after_the_backend_started_warns_unless_it_matches():
     count = len(jax.devices("cpu"))  # starts the backend, if no test has yet
-    assert sharding.set_cpu_devices(0) is None and sharding.set_cpu_devices(count) is None
-    warning = sharding.set_cpu_devices(count + 1)
+    assert cpu_tuning.set_cpu_devices(0) is None and cpu_tuning.set_cpu_devices(count) is None
+    warning = cpu_tuning.set_cpu_devices(count + 1)
     assert warning.startswith(f"warning: run.cpu_devices={count + 1} has no effect") and "\n" not in warning
     assert len(jax.devices("cpu")) == count
 

@@ -31,7 +31,7 @@ from conftest import host_leaves, subprocess_env
 from matplotlib import image
 
 import jaxddppo
-from jaxddppo import sharding
+from jaxddppo import cpu_tuning, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.config import ConfigError, from_dict, with_overrides
 from jaxddppo.sweep import (
@@ -40,7 +40,6 @@ from jaxddppo.sweep import (
     parse_args,
     resume_sweep,
     split_overrides,
-    with_cpu_device_per_core,
 )
 from jaxddppo.train import Experiment, NonFiniteError, run
 
@@ -312,7 +311,7 @@ def test_command_line_sweep_takes_one_cpu_device_per_core(sweep_result, tmp_path
     (32, 2, 2), (4, 2, 2), (3, 2, 1), (1, 8, 1), (12, 8, 6), (7, 4, 1), (8, 8, 8), (2, 64, 2), (5, 1, 1),
 ])
 def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
-    assert sharding.cpu_devices_per_core(members, cores) == expected
+    assert cpu_tuning.cpu_devices_per_core(members, cores) == expected
 
 
 @pytest.mark.parametrize("overrides, environ, expected", [
@@ -329,9 +328,9 @@ def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
     ({}, {"JAX_PLATFORMS": "tpu"}, 0),
 ])
 def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, environ, expected):
-    monkeypatch.setattr(sharding, "backend_started", lambda: False)
+    monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
     config = with_overrides(from_dict(SMALL), overrides)
-    chosen = with_cpu_device_per_core(config, 32, 2, environ)
+    chosen = cpu_tuning.with_cpu_device_per_core(config, 32, 2, environ)
     assert chosen.run.cpu_devices == expected
     assert (chosen is config) == (expected == config.run.cpu_devices)
 
@@ -339,7 +338,13 @@ def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatc
 def test_sweep_command_leaves_a_started_backend_alone():
     config = from_dict(SMALL)
     jax.devices()  # this process's backend has started
-    assert with_cpu_device_per_core(config, 32, 2, {}) is config
+    assert cpu_tuning.with_cpu_device_per_core(config, 32, 2, {}) is config
+
+
+def test_sweep_command_keeps_one_device_with_the_cpu_switch_off(monkeypatch):
+    monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
+    config = with_overrides(from_dict(SMALL), {"run.cpu_tuning": "off"})
+    assert cpu_tuning.with_cpu_device_per_core(config, 32, 2, {}) is config
 
 
 @pytest.mark.oldest
