@@ -76,11 +76,11 @@ def main() -> None:
 
     # The jaxddppo of the checkout this script is in, whichever one is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jaxddppo import sharding, train
+    from jaxddppo import distributed, train
     from jaxddppo.config import load_config
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
-    for warning in sharding.start_backend(config):
+    for warning in distributed.start_backend(config):
         print(warning)
     start = time.perf_counter()
     experiment = train.build(config)

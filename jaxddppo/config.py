@@ -3,7 +3,7 @@
 The dataclasses below are the single source of truth for every option. A YAML
 file fills them, `section.key=value` overrides follow, and `validate` checks
 ranges and choices. Sizes that depend on the device count are derived later, in
-`sharding.py`. Nothing writes into a config after it is built.
+`topology.py`. Nothing writes into a config after it is built.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from flax import struct
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
-from jaxddppo.sharding import DeviceShards
+from jaxddppo.shards import DeviceShards
 
 
 @struct.dataclass

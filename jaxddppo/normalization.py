@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.sharding import DeviceShards
+from jaxddppo.shards import DeviceShards
 
 OBS_CLIP = 10.0  # normalised observations are clipped to [-OBS_CLIP, OBS_CLIP]
 _VARIANCE_EPS = 1e-8

@@ -1,8 +1,8 @@
 """PPO: the loss, epochs x minibatches with a gradient all-reduce, and one update step.
 
 `make_update` binds the static pieces (environment, network, sizes) and returns
-the per-device `update(state, hyperparams) -> (state, metrics)`; `sharding.py`
-runs it on every device. It runs each of the device's shards' rollouts, returns
+the per-device `update(state, hyperparams) -> (state, metrics)`;
+`sharding.shard_parallel` runs it on every device. It runs each of the device's shards' rollouts, returns
 and minibatch gradients with `DeviceShards.map`, and reduces every statistic that
 all shards use (advantage normalisation, gradients, logged metrics) over all
 shards with `DeviceShards.mean`; parameters and optimizer state, the same on every
@@ -33,7 +33,8 @@ from jaxddppo.normalization import (
     update_moments,
 )
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
-from jaxddppo.sharding import DeviceShards, Topology, copies, one_copy
+from jaxddppo.shards import DeviceShards, copies, one_copy
+from jaxddppo.topology import Topology
 
 
 @struct.dataclass

@@ -1,141 +1,25 @@
-"""All parallelism: mesh, shard axes, global and per-shard sizes, the shard_map wrapper.
+"""The mesh, the compile wrapper and host transfers.
 
-A *shard* is a logical slice of the global batch with its own environments and
-its own local minibatching; a *device* is physical. Every array of the training
-state has a leading axis of length `num_shards`, split over the mesh axis
-`DEVICE_AXIS`, so a device holds `shards_per_device` of them. A per-device
-function runs each of its shards' computations with `DeviceShards.map` and
-reduces over all shards with `DeviceShards.sum`/`mean`; by default the shards run
-one after another and sums add the shards in order of global shard index, so the
-results do not depend on how shards map to devices, bit for bit.
-
-A sweep trains a *population* of independent members (seeds x hyperparameters)
-in one program: state leaves get a leading `[num_members, num_shards]` pair of
-axes, split over a two-axis mesh `(MEMBER_AXIS, DEVICE_AXIS)`. Members never
-communicate; a member's shards reduce over `DEVICE_AXIS` within its mesh row.
-
-A single run's mesh has no member axis. `shard_parallel` serves both meshes.
-Other modules never name an axis: they call `DeviceShards`' methods.
+`shard_parallel` compiles a per-device function (which handles its shards through
+`shards.DeviceShards`) over a one-axis mesh of devices (a single run) or a two-axis
+(member, device) mesh (a sweep's population): every state leaf leads with the mesh's state
+axes (`state_spec`). The host side: global arrays from host arrays (`put_members`,
+`shared_array`), host copies of shards (`first_shard`, `member_first_shards`) and the
+parameters' digests.
 """
 
 from __future__ import annotations
 
 import functools
-import socket
-import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxddppo import cpu_tuning
-from jaxddppo.config import Config, ConfigError, DistributedConfig
-
-DEVICE_AXIS = "device"
-MEMBER_AXIS = "member"
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Global and per-shard sizes, derived once from the config and the devices."""
-
-    num_devices: int
-    num_processes: int
-    num_shards: int
-    shards_per_device: int
-    num_envs: int
-    num_envs_per_shard: int
-    num_steps: int
-    num_minibatches: int
-    minibatch_size_per_shard: int
-    env_steps_per_update: int
-    num_updates: int
-    updates_per_chunk: int
-
-    @property
-    def global_minibatch_size(self) -> int:
-        return self.minibatch_size_per_shard * self.num_shards
-
-
-def _require_divisible(numerator: tuple[str, int], denominator: tuple[str, int], advice: str) -> None:
-    (num_name, num_value), (den_name, den_value) = numerator, denominator
-    if num_value % den_value:
-        raise ConfigError(
-            f"{num_name}={num_value} is not divisible by {den_name}={den_value}; {advice}"
-        )
-
-
-def make_topology(config: Config, num_devices: Optional[int] = None,
-                  num_processes: Optional[int] = None) -> Topology:
-    """Derive every size from the global config; raise ConfigError on a bad combination."""
-    num_devices = jax.device_count() if num_devices is None else num_devices
-    num_processes = jax.process_count() if num_processes is None else num_processes
-    num_shards = config.train.num_shards or num_devices
-    shard_key = "train.num_shards" if config.train.num_shards else "train.num_shards (default: devices)"
-    _require_divisible(
-        (shard_key, num_shards), ("the device count", num_devices),
-        f"set train.num_shards to a multiple of {num_devices}",
-    )
-    num_envs = config.env.num_envs
-    _require_divisible(
-        ("env.num_envs", num_envs), (shard_key, num_shards),
-        f"set env.num_envs to a multiple of {num_shards}",
-    )
-    num_envs_per_shard = num_envs // num_shards
-    samples_per_shard = num_envs_per_shard * config.ppo.num_steps
-    _require_divisible(
-        ("env.num_envs/train.num_shards x ppo.num_steps", samples_per_shard),
-        ("ppo.num_minibatches", config.ppo.num_minibatches),
-        "change ppo.num_minibatches, ppo.num_steps or env.num_envs",
-    )
-    if config.network.recurrent is not None:
-        _require_divisible(
-            (f"env.num_envs/{shard_key}", num_envs_per_shard),
-            ("ppo.num_minibatches", config.ppo.num_minibatches),
-            f"network.recurrent={config.network.recurrent} minibatches are whole environment sequences; "
-            "change ppo.num_minibatches or env.num_envs",
-        )
-    env_steps_per_update = num_envs * config.ppo.num_steps
-    num_updates = config.train.total_env_steps // env_steps_per_update
-    if num_updates < 1:
-        raise ConfigError(
-            f"train.total_env_steps={config.train.total_env_steps} is less than one update "
-            f"(env.num_envs x ppo.num_steps = {env_steps_per_update}); raise train.total_env_steps"
-        )
-    updates_per_chunk = min(config.train.updates_per_chunk, num_updates)
-    _check_eval_cadence(config.eval.every_updates, config.train.updates_per_chunk, num_updates)
-    return Topology(
-        num_devices=num_devices,
-        num_processes=num_processes,
-        num_shards=num_shards,
-        shards_per_device=num_shards // num_devices,
-        num_envs=num_envs,
-        num_envs_per_shard=num_envs_per_shard,
-        num_steps=config.ppo.num_steps,
-        num_minibatches=config.ppo.num_minibatches,
-        minibatch_size_per_shard=samples_per_shard // config.ppo.num_minibatches,
-        env_steps_per_update=env_steps_per_update,
-        num_updates=num_updates,
-        updates_per_chunk=updates_per_chunk,
-    )
-
-
-def _check_eval_cadence(every_updates: int, updates_per_chunk_setting: int, num_updates: int) -> None:
-    """Periodic evaluations run between compiled chunks, so they must fall on chunk boundaries."""
-    updates_per_chunk = min(updates_per_chunk_setting, num_updates)
-    if every_updates == 0 or every_updates % updates_per_chunk == 0:
-        return
-    chunk_name = "train.updates_per_chunk"
-    if updates_per_chunk < updates_per_chunk_setting:
-        chunk_name += f" (capped at the run's {num_updates} updates)"
-    raise ConfigError(
-        f"eval.every_updates={every_updates} is not a multiple of {chunk_name}={updates_per_chunk}; "
-        f"evaluations run between chunks of updates: set eval.every_updates to a multiple of {updates_per_chunk}"
-    )
+from jaxddppo.shards import DEVICE_AXIS, MEMBER_AXIS, DeviceShards, over_leading_axis
+from jaxddppo.topology import Placement
 
 
 def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -146,122 +30,6 @@ def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
 def shard_sharding(mesh: Mesh) -> NamedSharding:
     """The leading state axes split over the mesh (`state_spec`), the rest whole."""
     return NamedSharding(mesh, state_spec(mesh))
-
-
-@dataclass(frozen=True)
-class DeviceShards:
-    """How a per-device function (`shard_parallel`) handles the shards of its device,
-    whose leaves lead with [shards_per_device]: `map` runs a per-shard function on each,
-    `sum` and `mean` reduce a per-shard value over every shard of the run, giving the same
-    unbatched value on every device.
-
-    `exact` (`train.exact_reductions`): a device's shards run one after another and every
-    sum adds the shards in order of their global index, whatever the device count, so a
-    run computes the same bits on any number of devices. Otherwise shards run batched
-    (`vmap`) and a sum is one all-reduce (`psum`), which adds in an order set by the
-    placement; XLA also compiles a batch of shards otherwise than one shard, in the last
-    bits.
-    """
-
-    exact: bool = True
-
-    def map(self, per_shard: Callable, *args: Any) -> Any:
-        """`per_shard` over the leading [shards_per_device] axis of every leaf of `args`."""
-        if self.exact:
-            return _in_turn(per_shard, args)
-        return _over_leading_axis(per_shard, (), batched=True)(*args)
-
-    @staticmethod
-    def map_batched(per_shard: Callable, *args: Any) -> Any:
-        """`per_shard` batched (`vmap`) over the device's shards, exact or not: only for
-        computations whose bits batching cannot change (random keys, gathers and reshapes,
-        elementwise arithmetic). Fewer loops compile faster."""
-        return jax.vmap(per_shard)(*args)
-
-    def sum(self, tree: Any) -> Any:
-        """Sum over every shard of the run of `tree`, whose float leaves lead with
-        [shards_per_device]; the result, without that axis, is the same on every device."""
-        if self.exact:
-            return _ordered_sum(tree)
-        return jax.lax.psum(jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree), DEVICE_AXIS)
-
-    def mean(self, tree: Any) -> Any:
-        """Mean over every shard of the run (see `sum`)."""
-        num_shards = self.num_shards(tree)
-        return jax.tree.map(lambda total: total / num_shards, self.sum(tree))
-
-    @staticmethod
-    def num_shards(tree: Any) -> int:
-        """The run's shard count, from a per-device value whose leaves lead with [shards_per_device]."""
-        return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
-
-
-def one_copy(tree: Any) -> Any:
-    """The first local shard's copy of a value every shard holds (leaves [shards_per_device, ...])."""
-    return jax.tree.map(lambda leaf: leaf[0], tree)
-
-
-def copies(tree: Any, shards_per_device: int) -> Any:
-    """`tree` repeated for each of the device's shards: leaves [shards_per_device, ...]."""
-    return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (shards_per_device, *jnp.shape(leaf))), tree)
-
-
-def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
-    """`per_shard` on each shard of `args` (leaves [L, ...]), one after another.
-
-    XLA must compile the shard's computation alike for every L, and it would not for
-    L = 1: a loop it knows runs once is inlined, and slices along an axis of length 1
-    are simplified away, so a device's only shard would compute other last bits than a
-    shard among several. So the loop's trip count is hidden from XLA, and a single
-    shard's arguments and results sit in buffers of two (the second never read).
-    """
-    num_local = _leading_length(args)
-    buffer_length = max(num_local, 2)
-    if num_local == 1:
-        args = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]), args)
-    shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), one_copy(args))
-    outputs = jax.tree.map(lambda shape: jnp.zeros((buffer_length, *shape.shape), shape.dtype), shapes)
-
-    def one_shard(index: jax.Array, outputs: Any) -> Any:
-        shard_args = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), args)
-        return jax.tree.map(lambda stacked, value: stacked.at[index].set(value), outputs, per_shard(*shard_args))
-
-    trip_count = jax.lax.optimization_barrier(jnp.int32(num_local))
-    outputs = jax.lax.fori_loop(0, trip_count, one_shard, outputs)
-    return jax.tree.map(lambda stacked: stacked[:num_local], outputs)
-
-
-def _leading_length(tree: Any) -> int:
-    return jax.tree.leaves(tree)[0].shape[0]
-
-
-def _ordered_sum(tree: Any) -> Any:
-    """Sum over every shard in order of global shard index: ((s0 + s1) + s2) + ...
-
-    The leaves are laid end to end into [L, P] (L shards on this device). With D > 1
-    devices, an all-to-all hands device d the d-th of D column chunks of every shard's
-    row, in global shard order; it adds them and an all-gather reassembles the sum. Each
-    device moves about (L + 1) x P values, like a ring all-reduce for L = 1, whatever D.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    num_local = leaves[0].shape[0]
-    rows = jnp.concatenate([leaf.reshape(num_local, -1) for leaf in leaves], axis=1)
-    width = rows.shape[1]
-    num_devices = jax.lax.axis_size(DEVICE_AXIS)
-    if num_devices > 1:
-        chunk = -(-width // num_devices)
-        rows = jnp.pad(rows, ((0, 0), (0, chunk * num_devices - width)))
-        rows = rows.reshape(num_local, num_devices, chunk)
-        rows = jax.lax.all_to_all(rows, DEVICE_AXIS, 1, 0, tiled=True)[:, 0]  # [num_shards, chunk]
-    # A loop XLA cannot unroll: with D = 1 it would otherwise see through the sum to each
-    # leaf and compile the consumers (the gradient's norm) otherwise than for D > 1.
-    num_rows = jax.lax.optimization_barrier(jnp.int32(rows.shape[0]))
-    total = jax.lax.fori_loop(1, num_rows, lambda row, total: total + rows[row], rows[0])
-    if num_devices > 1:
-        total = jax.lax.all_gather(total, DEVICE_AXIS, tiled=True)[:width]
-    sizes = [leaf[0].size for leaf in leaves]
-    parts = jnp.split(total, np.cumsum(sizes)[:-1])
-    return jax.tree.unflatten(treedef, [part.reshape(leaf.shape[1:]) for part, leaf in zip(parts, leaves)])
 
 
 def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
@@ -283,7 +51,7 @@ def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, 
     grad would already sum over devices).
     """
     if is_population(mesh):
-        per_device = _over_leading_axis(per_device, shared_argnums, batched=batch_members)
+        per_device = over_leading_axis(per_device, shared_argnums, batched=batch_members)
     return _jit_over_mesh(per_device, mesh, state_spec(mesh), donate_argnums, shared_argnums)
 
 
@@ -304,33 +72,6 @@ def state_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
-def _over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batched: bool) -> Callable:
-    """`function` over the leading axis of every argument but those at `shared_argnums`:
-    `jax.vmap` if `batched`, else `lax.map` (one after another).
-
-    An axis of length 1 is indexed instead: XLA compiles a batch of one otherwise than no
-    batch (it turns the gradient's matrix products around), which would change the bits
-    that a shard alone on its device, or a member, computes.
-    """
-
-    def mapped(*args: Any) -> Any:
-        mapped_args = [arg for index, arg in enumerate(args) if index not in shared_argnums]
-
-        def call(unshared: Sequence[Any]) -> Any:
-            remaining = iter(unshared)
-            return function(*[arg if index in shared_argnums else next(remaining) for index, arg in enumerate(args)])
-
-        length = jax.tree.leaves(mapped_args)[0].shape[0]
-        if length == 1:
-            return jax.tree.map(lambda leaf: leaf[None], call(jax.tree.map(lambda leaf: leaf[0], mapped_args)))
-        if not batched:
-            return jax.lax.map(call, mapped_args)
-        return jax.vmap(call)(mapped_args)
-
-    mapped.__name__ = getattr(function, "__name__", "mapped")  # names the compiled program
-    return mapped
-
-
 def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate_argnums: tuple[int, ...],
                    shared_argnums: tuple[int, ...] = ()) -> Callable:
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
@@ -343,63 +84,6 @@ def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate
 
     over_mesh.__name__ = per_device.__name__
     return jax.jit(over_mesh, out_shardings=out_shardings, donate_argnums=donate_argnums)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """How a population of members x shards maps onto a (member, device) mesh."""
-
-    num_members: int
-    num_shards: int  # per member
-    member_devices: int  # mesh rows: members are split over them
-    shard_devices: int  # mesh columns: each member's shards are split over them
-
-    @property
-    def members_per_device(self) -> int:
-        return self.num_members // self.member_devices
-
-    @property
-    def shards_per_device(self) -> int:
-        return self.num_shards // self.shard_devices
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def place_population(num_members: int, num_shards: Optional[int], num_devices: int,
-                     member_devices: Optional[int] = None) -> Placement:
-    """Split `num_devices` into member_devices x shard_devices; raise ConfigError if impossible.
-
-    member_devices must divide the member count and shard_devices the shard count.
-    By default members get as many devices as possible (members never communicate);
-    `num_shards=None` then means one shard per device of a member's row.
-    """
-    if member_devices is not None:
-        if member_devices < 1 or num_devices % member_devices:
-            raise ConfigError(f"--member-devices={member_devices} must divide the device count {num_devices}")
-        _require_divisible(("the member count (grid points x seeds)", num_members),
-                           ("--member-devices", member_devices),
-                           "choose --member-devices dividing the member count")
-        candidates = [member_devices]
-    else:
-        candidates = [d for d in reversed(_divisors(num_devices)) if num_members % d == 0]
-    for rows in candidates:
-        columns = num_devices // rows
-        shards = columns if num_shards is None else num_shards
-        if shards % columns == 0:
-            return Placement(num_members, shards, rows, columns)
-    if member_devices is not None:
-        raise ConfigError(
-            f"train.num_shards={num_shards} does not split over the {num_devices // member_devices} devices each member "
-            f"gets with --member-devices={member_devices}; set train.num_shards to a multiple of "
-            f"{num_devices // member_devices} or change --member-devices"
-        )
-    raise ConfigError(
-        f"cannot place {num_members} member(s) x train.num_shards={num_shards} shard(s) on {num_devices} devices: "
-        f"need member devices x shard devices = {num_devices}, member devices dividing {num_members} and shard "
-        f"devices dividing {num_shards}; change train.num_shards or the member count"
-    )
 
 
 def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -472,123 +156,3 @@ def params_digest(params: Any) -> float:
 
 def _host_digest(leaves: list[np.ndarray]) -> float:
     return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
-
-
-def broadcast_text(text: str, max_bytes: int = 4096) -> str:
-    """Process 0's `text` on every process (a collective; a no-op in a single-process run)."""
-    if jax.process_count() == 1:
-        return text
-    encoded = text.encode()
-    if len(encoded) > max_bytes:
-        raise ValueError(f"broadcast_text: {len(encoded)} bytes exceed {max_bytes}")
-    buffer = np.zeros(max_bytes, np.uint8)
-    buffer[:len(encoded)] = np.frombuffer(encoded, np.uint8)
-    received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    return bytes(received).rstrip(b"\0").decode()
-
-
-class DistributedError(RuntimeError):
-    """The multi-process runtime could not start; the message is one line."""
-
-
-def _wait_for_coordinator(address: str, timeout_seconds: float) -> None:
-    """Fail with one line if nothing listens at `address` within the timeout.
-
-    JAX aborts the whole process (SIGABRT, a C++ stack trace) when it cannot
-    register with the coordinator, so a process that is not the coordinator
-    checks first that it can reach it.
-    """
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-            return
-        except OSError:
-            if time.monotonic() >= deadline:
-                raise DistributedError(
-                    f"coordinator {address} unreachable for {timeout_seconds} s (distributed.init_timeout); "
-                    "check that process 0 runs and that its host and port are reachable"
-                ) from None
-            time.sleep(0.25)
-
-
-def start_backend(config: Config) -> list[str]:
-    """What a run or a sweep does before its first JAX computation: size the CPU thread
-    pool and the CPU device count (`cpu_tuning.set_up_cpu`), then join a
-    multi-process run if the config asks for one and none is joined yet. Returns their
-    warnings, if any."""
-    warnings = cpu_tuning.set_up_cpu(config)
-    if not jax.distributed.is_initialized():
-        initialize_distributed(config.distributed)
-    return warnings
-
-
-def initialize_distributed(config: DistributedConfig) -> None:
-    """Join a multi-process run when the config asks for one; otherwise stay single-process.
-
-    Explicit settings win. Cluster auto-detection (SLURM, Open MPI, Cloud TPU,
-    Kubernetes) runs only with `distributed.auto=true`, so stray cluster variables
-    never start it.
-    """
-    if config.coordinator is not None:
-        where = f"coordinator {config.coordinator}"
-        explicit = {
-            "coordinator_address": config.coordinator,
-            "num_processes": config.num_processes,
-            "process_id": config.process_id,
-        }
-        if config.process_id != 0:
-            _wait_for_coordinator(config.coordinator, config.init_timeout)
-    elif config.auto:
-        where, explicit = "auto-detected cluster", {}
-    else:
-        return
-    try:
-        jax.distributed.initialize(
-            **explicit,
-            initialization_timeout=config.init_timeout,
-            heartbeat_timeout_seconds=config.heartbeat_timeout,
-        )
-    except Exception as error:  # JAX raises several types, each with a many-line message
-        detail = " ".join(str(error).split())[:300]
-        raise DistributedError(
-            f"jax.distributed could not start ({where}, distributed.init_timeout={config.init_timeout} s): {detail}"
-        ) from None
-
-
-class ReplicaDivergence(RuntimeError):
-    """Shards hold different parameters; the message is one line."""
-
-
-def _bit_checksum(tree: Any) -> jax.Array:
-    """A wrapping sum of the raw bits of every leaf: any changed bit changes it (barring collisions)."""
-    total = jnp.zeros((), jnp.uint32)
-    for leaf in jax.tree.leaves(tree):
-        bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
-        total = total + jnp.sum(bits, dtype=jnp.uint32)
-    return total
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_checksum(mesh: Mesh) -> Callable:
-    return shard_parallel(per_shard(_bit_checksum), mesh)
-
-
-def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
-    """Raise ReplicaDivergence unless, within every member, every shard on every process
-    holds bitwise the same params."""
-    checksums = np.asarray(multihost_utils.process_allgather(_compiled_checksum(mesh)(params), tiled=True))
-    population = is_population(mesh)
-    for member, row in enumerate(checksums.reshape(-1, checksums.shape[-1])):
-        _raise_on_divergence(row, after_update, f" of member {member}" if population else "")
-
-
-def _raise_on_divergence(every_shard: np.ndarray, after_update: int, whose: str) -> None:
-    differing = [int(i) for i in np.flatnonzero(every_shard != every_shard[0])]
-    if differing:
-        raise ReplicaDivergence(
-            f"replicas{whose} diverged after update {after_update}: shard(s) {differing} differ from shard 0 "
-            f"(parameter bit checksums {every_shard.tolist()}); check that every host runs the same "
-            "jaxddppo, JAX and jaxlib versions"
-        )

@@ -5,7 +5,7 @@ A sweep trains a population, grid points x seeds, as one compiled program:
 every member has the structural config of the base run (env, sizes, network)
 and its own seed and float hyperparameters, which are traced inputs vmapped
 over the members. Members are spread over a (member, device) mesh
-(`sharding.place_population`); each member is a data-parallel DD-PPO run
+(`topology.place_population`); each member is a data-parallel DD-PPO run
 over its own shards and trains as the single run of its config would, through
 the run's own loop (`train.train_experiment`: checkpoints, resume, preemption,
 NaN guard, periodic evaluation); this module adds the grid and its results.
@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxddppo import cpu_tuning, sharding
+from jaxddppo import cpu_tuning, distributed, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import (
@@ -45,6 +45,7 @@ from jaxddppo.config import (
 from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
 from jaxddppo.ppo import PPOHyperparams
+from jaxddppo.topology import make_topology, place_population
 from jaxddppo.train import (
     Experiment,
     Member,
@@ -155,11 +156,11 @@ def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seed
     """Validate the grid, the placement and every size; compile nothing."""
     members = expand_members(config, grid, num_seeds)
     devices = list(jax.devices() if devices is None else devices)
-    placement = sharding.place_population(len(members), config.train.num_shards, len(devices), member_devices)
+    placement = place_population(len(members), config.train.num_shards, len(devices), member_devices)
     with_shards = lambda c: replace(c, train=replace(c.train, num_shards=placement.num_shards))
     config = with_shards(config)
     members = [replace(member, config=with_shards(member.config)) for member in members]
-    topology = sharding.make_topology(config, num_devices=placement.shard_devices,
+    topology = make_topology(config, num_devices=placement.shard_devices,
                                       num_processes=jax.process_count())
     return assemble(config, members, sharding.make_population_mesh(placement, devices), topology)
 
@@ -272,8 +273,8 @@ def _summary(population: Experiment, trained: TrainResult, best: dict) -> dict:
         "num_settings": num_settings,
         "num_seeds": num_members // num_settings,
         "num_shards": topology.num_shards,
-        "member_devices": mesh.shape[sharding.MEMBER_AXIS],
-        "shard_devices": mesh.shape[sharding.DEVICE_AXIS],
+        "member_devices": mesh.shape[shards.MEMBER_AXIS],
+        "shard_devices": mesh.shape[shards.DEVICE_AXIS],
         "num_devices": mesh.devices.size,
         "num_processes": jax.process_count(),
         "backend": jax.default_backend(),
@@ -332,7 +333,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     reads both); `stop_after_updates` stops with a checkpoint, as `train.run` does.
     """
     config = as_config(config)
-    backend_warnings = sharding.start_backend(config)
+    backend_warnings = distributed.start_backend(config)
     spec = SweepSpec({key: list(values) for key, values in (grid or {}).items()}, seeds, member_devices)
     population = build_population(config, spec.grid, seeds, member_devices, devices)
     name = f"sweep-{population.config.env.id}"
@@ -475,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
+    except (distributed.DistributedError, distributed.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

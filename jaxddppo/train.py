@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import cpu_tuning, sharding
+from jaxddppo import cpu_tuning, distributed, sharding, shards
 from jaxddppo.checkpoint import (
     PREEMPTED_EXIT_CODE,
     Checkpointer,
@@ -55,6 +55,7 @@ from jaxddppo.ppo import (
     init_train_state,
     make_update,
 )
+from jaxddppo.topology import Topology, make_topology
 
 
 def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetrics]], hyperparams: Any,
@@ -122,7 +123,7 @@ class Experiment:
 
     config: Config  # the base config, train.num_shards resolved
     members: tuple[Member, ...]
-    topology: sharding.Topology  # of one member
+    topology: Topology  # of one member
     mesh: jax.sharding.Mesh
     env: BatchedEnv
     network: ActorCritic
@@ -180,10 +181,10 @@ class Experiment:
 
         def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                   ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            hyperparams = sharding.one_copy(shard.hyperparams)
+            hyperparams = shards.one_copy(shard.hyperparams)
             state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
             num_local = shard.shard_index.shape[0]
-            return state, sharding.copies(metrics, num_local), sharding.copies(all_finite(state.params), num_local)
+            return state, shards.copies(metrics, num_local), shards.copies(all_finite(state.params), num_local)
 
         return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
                                       batch_members=self.batch_members)
@@ -196,13 +197,13 @@ class Experiment:
         config, topology = self.config, self.topology
 
         def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
-            params, obs_moments, update_index, seed = sharding.one_copy((params, obs_moments, update_index, shard.seed))
+            params, obs_moments, update_index, seed = shards.one_copy((params, obs_moments, update_index, shard.seed))
             eval_root = jax.random.fold_in(jax.random.key(seed), 3)
             stats = evaluate_on_shards(
                 self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
                 config.eval.num_episodes, topology.num_shards, self.settings.shards, obs_moments,
             )
-            return sharding.copies(stats, shard.shard_index.shape[0])
+            return shards.copies(stats, shard.shard_index.shape[0])
 
         return sharding.shard_parallel(evaluate, self.mesh, batch_members=self.batch_members)
 
@@ -220,7 +221,7 @@ class Experiment:
 
 
 def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
-             topology: sharding.Topology) -> Experiment:
+             topology: Topology) -> Experiment:
     """The experiment of `members` (whose configs differ from `config` in seed and
     hyperparameters at most) on `mesh`; compiles nothing. The experiment's config has
     `run.cpu_tuning` resolved for the mesh's devices."""
@@ -243,7 +244,7 @@ def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Exp
     of every process). Validates everything that needs the environment and the devices;
     compiles nothing. The experiment's config has train.num_shards resolved."""
     mesh = sharding.make_mesh(devices)
-    topology = sharding.make_topology(config, num_devices=mesh.devices.size)
+    topology = make_topology(config, num_devices=mesh.devices.size)
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     member = Member(index=0, setting=0, seed=config.train.seed, values={}, config=config)
     return assemble(config, [member], mesh, topology)
@@ -306,16 +307,16 @@ def claim_run_dir(path: Optional[str], name: str) -> str:
 def shared_run_dir(config: Config, name: str) -> str:
     """Process 0 claims the run directory; every process learns its path (checkpoints need it)."""
     if jax.process_index() != 0:
-        run_dir = sharding.broadcast_text("")
+        run_dir = distributed.broadcast_text("")
         if not run_dir:
-            raise sharding.DistributedError("process 0 could not create the run directory; see its error")
+            raise distributed.DistributedError("process 0 could not create the run directory; see its error")
         return run_dir
     try:
         run_dir = claim_run_dir(config.run.dir, name)
     except ConfigError:
-        sharding.broadcast_text("")
+        distributed.broadcast_text("")
         raise
-    return sharding.broadcast_text(run_dir)
+    return distributed.broadcast_text(run_dir)
 
 
 def write_config(run_dir: str, config: Config) -> None:
@@ -524,7 +525,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
                                             counters.train_seconds + chunk_seconds, evaluations))
         check_finite(per_member, params_finite, first_update, experiment.is_sweep)
         if config.debug.check_replicas:
-            sharding.check_replicas(state.params, mesh, update)
+            distributed.check_replicas(state.params, mesh, update)
         returns = [chunk_episode_return(member_metrics) for member_metrics in per_member]
         # Training time counts the host's work between chunks (logging, checks) but not evaluations.
         counters = RunCounters(
@@ -637,7 +638,7 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
                         config.run.progress and is_writer)
     if experiment.is_sweep:
         settings = len({member.setting for member in experiment.members})
-        rows = experiment.mesh.shape[sharding.MEMBER_AXIS]
+        rows = experiment.mesh.shape[shards.MEMBER_AXIS]
         per_member = f" per member, {members} member(s) ({settings} setting(s)) on {rows} row(s) of such devices"
     progress.message(
         f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
@@ -722,7 +723,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
     config = as_config(config)
-    backend_warnings = sharding.start_backend(config)
+    backend_warnings = distributed.start_backend(config)
     experiment = build(config, devices)
     config, is_writer = experiment.config, jax.process_index() == 0
     session = start_session(experiment, config.env.id, resume, stop_after_updates, backend_warnings)
@@ -784,7 +785,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
+    except (distributed.DistributedError, distributed.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

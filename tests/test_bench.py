@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, subprocess_env
-from jaxddppo import sharding
-from jaxddppo.config import from_dict, load_config
+from jaxddppo import sharding, shards
+from jaxddppo.config import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
@@ -408,8 +408,8 @@ def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
 ])
 def test_collectives_reads_how_shards_are_summed_from_the_compiled_program(exact, expected):
     """benchmarks/collectives.py on a sum of 1,000 values over 2 devices, one shard each."""
-    shards = sharding.DeviceShards(exact)
-    program = sharding.shard_parallel(lambda values: sharding.copies(shards.sum(values), 1),
+    device_shards = shards.DeviceShards(exact)
+    program = sharding.shard_parallel(lambda values: shards.copies(device_shards.sum(values), 1),
                                       sharding.make_mesh(jax.devices()[:2]))
     text = program.lower(np.ones((2, 1000), np.float32)).compile().as_text()
     assert [found for found in collectives.collectives(text) if found[1] >= 1000] == expected

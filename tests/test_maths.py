@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding
+from jaxddppo import sharding, shards
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
@@ -492,7 +492,7 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(minibatch_shuffle
     def per_device(batch):
         opt_state = optimizer_state(jparams, hp, settings)
         new_params, opt_state, info = run_epochs(jparams, opt_state, batch, key[None], sample_indexed_apply, hp, settings)
-        return sharding.copies((new_params, opt_state), 1) + (info,)
+        return shards.copies((new_params, opt_state), 1) + (info,)
 
     batch = Batch(**{name: jnp.asarray(value)[None] for name, value in batch_np.items()})
     mesh = sharding.make_mesh(jax.devices()[:1])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from jaxddppo import sharding
+from jaxddppo import distributed, sharding
 from jaxddppo.config import load_config
 from jaxddppo.train import build, run
 
@@ -108,7 +108,7 @@ def test_replica_check_passes_on_a_healthy_run(tmp_path):
 def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
     experiment = build(replica_config(tmp_path, True), jax.devices()[:2])
     params = experiment.init_state().params
-    sharding.check_replicas(params, experiment.mesh, after_update=0)
+    distributed.check_replicas(params, experiment.mesh, after_update=0)
 
     def perturb_shard_two(leaf):
         values = np.array(jax.device_get(leaf))
@@ -116,8 +116,8 @@ def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
         return jax.device_put(values, sharding.shard_sharding(experiment.mesh))
 
     perturbed = jax.tree.map(perturb_shard_two, params)
-    with pytest.raises(sharding.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
-        sharding.check_replicas(perturbed, experiment.mesh, after_update=7)
+    with pytest.raises(distributed.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
+        distributed.check_replicas(perturbed, experiment.mesh, after_update=7)
 
 
 def processes_mentioning(text: str) -> dict[int, str]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding
+from jaxddppo import sharding, shards
 from jaxddppo.config import NetworkConfig, from_dict
 from jaxddppo.envs import make_env
 from jaxddppo.eval_episodes import evaluate_policy
@@ -60,7 +60,7 @@ def rollouts_with_statistics(num_devices: int):
     network = make_actor_critic(NetworkConfig(hidden_sizes=(8,)), env.spec)
     mesh = sharding.make_mesh(jax.devices()[:num_devices])
 
-    shards = sharding.DeviceShards()
+    device_shards = shards.DeviceShards()
 
     def per_device(shard_index):
         num_local = shard_index.shape[0]
@@ -71,25 +71,25 @@ def rollouts_with_statistics(num_devices: int):
             return key, RolloutState(env_state, obs, discounted_return=jnp.zeros((NUM_ENVS,)))
 
         keys, rollout = jax.vmap(start)(shard_index)
-        params = network.init(jax.random.key(0), sharding.one_copy(rollout.obs))
+        params = network.init(jax.random.key(0), shards.one_copy(rollout.obs))
         obs_moments, return_moments = init_moments(env.spec.obs_shape), init_moments(())
         observations, rewards, dones = [], [], []
         for index in range(NUM_ROLLOUTS):
             policy = lambda p, c, o, s, m=obs_moments: policy_step(network, p, m, c, o, s)
-            rollout, transitions, _ = shards.map(
+            rollout, transitions, _ = device_shards.map(
                 lambda shard, key: collect_rollout(env, policy, params, shard, jax.random.fold_in(key, index + 1),
                                                    NUM_STEPS),
                 rollout, keys,
             )
             obs_moments = update_moments(obs_moments, transitions.obs.reshape(num_local, -1, *env.spec.obs_shape),
-                                         shards)
-            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, GAMMA, shards)
+                                         device_shards)
+            scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, GAMMA, device_shards)
             rollout, return_moments = rollout.replace(discounted_return=scaled.discounted_return), scaled.moments
             observations.append(transitions.obs)
             rewards.append(transitions.reward)
             dones.append(transitions.terminated | transitions.truncated)
         data = tuple(jnp.concatenate(x, axis=1) for x in (observations, rewards, dones))
-        return sharding.copies((obs_moments, return_moments), num_local) + (scaled.rewards, data)
+        return shards.copies((obs_moments, return_moments), num_local) + (scaled.rewards, data)
 
     indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
     return sharding.all_shards(sharding.shard_parallel(per_device, mesh)(indices))
@@ -157,8 +157,8 @@ def test_large_mean_does_not_cancel_the_variance():
     def per_device(samples):
         moments = init_moments((1,))
         for index in range(len(batches)):
-            moments = update_moments(moments, samples[:, index], sharding.DeviceShards())
-        return sharding.copies(moments, samples.shape[0])
+            moments = update_moments(moments, samples[:, index], shards.DeviceShards())
+        return shards.copies(moments, samples.shape[0])
 
     split = jnp.asarray(np.stack(batches).reshape(3, 2, 128, 1).transpose(1, 0, 2, 3))  # [S, R, N, 1]
     moments = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))

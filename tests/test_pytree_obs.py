@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import host_leaves
 
-from jaxddppo import sharding, train
+from jaxddppo import sharding, shards, train
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, NetworkConfig, from_dict
 from jaxddppo.envs import BatchedEnv, EnvSpec
@@ -156,8 +156,8 @@ def test_observation_moments_are_per_leaf_and_leave_the_mask_alone():
     def per_device(samples):
         moments = init_observation_moments(spec)
         for batch in samples:
-            moments = update_moments(moments, batch, sharding.DeviceShards())
-        return sharding.copies(moments, 1), normalize(moments, samples[-1])
+            moments = update_moments(moments, batch, shards.DeviceShards())
+        return shards.copies(moments, 1), normalize(moments, samples[-1])
 
     moments, normalised = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batches))
     assert moments.mean["action_mask"] is None and moments.m2["action_mask"] is None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding
+from jaxddppo import sharding, shards, topology
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic, policy_step, unroll
@@ -159,7 +159,7 @@ def test_sequence_minibatches_keep_each_environments_steps_in_order():
         np.testing.assert_array_equal(minibatch.obs.episode_start, expected % 7 == 0)
         np.testing.assert_array_equal(minibatch.obs.carry[0][:, 0], env_index)
     raw = np.asarray(sharding.shard_parallel(
-        lambda adv, idx: sequence_advantages(adv, idx, False, sharding.DeviceShards()), sharding.make_mesh(jax.devices()[:1])
+        lambda adv, idx: sequence_advantages(adv, idx, False, shards.DeviceShards()), sharding.make_mesh(jax.devices()[:1])
     )(jnp.asarray(code)[None], jnp.asarray(indices)[None]))[0]
     assert raw.shape == (3, 2, num_steps, 3)
     np.testing.assert_array_equal(raw, np.moveaxis(code[:, indices], 0, 2))
@@ -173,7 +173,7 @@ def test_sequence_advantages_normalised_over_the_global_minibatch():
     indices = np.asarray([[[2, 0], [3, 1]]])  # [E=1, M=2, n=2]
     mesh = sharding.make_mesh(jax.devices()[:2])
     normalised = sharding.all_shards(sharding.shard_parallel(
-        lambda adv, idx: sequence_advantages(adv, idx, True, sharding.DeviceShards()), mesh
+        lambda adv, idx: sequence_advantages(adv, idx, True, shards.DeviceShards()), mesh
     )(jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (2,) + indices.shape)))
     for m in range(2):
         gathered = advantages.astype(np.float64)[:, :, indices[0, m]]  # [S, T, n]
@@ -197,8 +197,8 @@ def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollou
 
     def gradients(num_shards: int):
         mesh = sharding.make_mesh(jax.devices()[:num_shards])
-        per_device = lambda b: sharding.copies(mean_gradients(
-            params, b, loss_apply_fn(network), hyperparams, True, sharding.DeviceShards())[0], 1)
+        per_device = lambda b: shards.copies(mean_gradients(
+            params, b, loss_apply_fn(network), hyperparams, True, shards.DeviceShards())[0], 1)
         envs = jnp.arange(4).reshape(num_shards, -1)
         split = jax.tree.map(lambda *x: jnp.stack(x), *[take_sequences(batch, e) for e in envs])
         return sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))
@@ -218,9 +218,9 @@ def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollou
 ])
 def test_sizes_that_do_not_split_into_sequences_fail_at_config_time(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
-        sharding.make_topology(from_dict(values), num_devices=4)
+        topology.make_topology(from_dict(values), num_devices=4)
     feed_forward = {**values, "network": {"recurrent": None}}
-    sharding.make_topology(from_dict(feed_forward), num_devices=4)
+    topology.make_topology(from_dict(feed_forward), num_devices=4)
 
 
 def test_unknown_recurrent_core_is_a_config_error():

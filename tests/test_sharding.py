@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
 
-from jaxddppo import cpu_tuning, sharding, train
+from jaxddppo import cpu_tuning, distributed, sharding, shards, topology, train
 from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
@@ -76,18 +76,18 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
     shard_size = global_size // num_shards
     mesh = sharding.make_mesh(jax.devices()[:num_devices])
 
-    shards = sharding.DeviceShards()
+    device_shards = shards.DeviceShards()
 
     def per_device(batch):
         num_local = batch.advantage.shape[0]
         one_minibatch = jnp.broadcast_to(jnp.arange(shard_size).reshape(1, 1, shard_size), (num_local, 1, 1, shard_size))
-        advantage = normalize_minibatch_advantages(batch.advantage, one_minibatch, shards)[:, 0, 0]
-        grads, info = mean_gradients(params, batch.replace(advantage=advantage), network.apply, hyperparams, True, shards)
-        return sharding.copies(grads, num_local), info
+        advantage = normalize_minibatch_advantages(batch.advantage, one_minibatch, device_shards)[:, 0, 0]
+        grads, info = mean_gradients(params, batch.replace(advantage=advantage), network.apply, hyperparams, True, device_shards)
+        return shards.copies(grads, num_local), info
 
     split = jax.tree.map(lambda x: x.reshape((num_shards, shard_size) + x.shape[1:]), global_batch)
     grads, info = sharding.shard_parallel(per_device, mesh)(split)
-    sharding.check_replicas(grads, mesh, after_update=0)
+    distributed.check_replicas(grads, mesh, after_update=0)
     return sharding.first_shard(grads), sharding.all_shards(info)
 
 
@@ -216,8 +216,8 @@ def test_eight_shards_learn_the_same_bits_on_eight_devices_as_on_one(tmp_path):
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
 def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_devices):
     experiment, state, _, learn = runs_by_device_count[num_devices]
-    sharding.check_replicas(state.params, experiment.mesh, after_update=6)
-    sharding.check_replicas(state.opt_state, experiment.mesh, after_update=6)
+    distributed.check_replicas(state.params, experiment.mesh, after_update=6)
+    distributed.check_replicas(state.opt_state, experiment.mesh, after_update=6)
     assert np.asarray(state.update_index).tolist() == [6, 6, 6, 6]
     observations = sharding.all_shards(state.rollout.obs)
     for other in range(1, 4):
@@ -239,9 +239,9 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
     update = make_update(experiment.env, experiment.network, experiment.settings)
 
     def scan_updates(state, shard):
-        hyperparams = sharding.one_copy(shard.hyperparams)
+        hyperparams = shards.one_copy(shard.hyperparams)
         state, metrics = jax.lax.scan(lambda s, _: update(s, hyperparams), state, length=3)
-        return state, sharding.copies(metrics, shard.shard_index.shape[0])
+        return state, shards.copies(metrics, shard.shard_index.shape[0])
 
     inputs = experiment.shard_inputs()
     scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state(), inputs)
@@ -261,12 +261,12 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
 def test_topology_sizes():
     config = from_dict({"env": {"num_envs": 64}, "ppo": {"num_steps": 32, "num_minibatches": 4},
                         "train": {"num_shards": 8, "total_env_steps": 100_000}})
-    topology = sharding.make_topology(config, num_devices=4)
-    assert topology.shards_per_device == 2
-    assert topology.num_envs_per_shard == 8
-    assert topology.minibatch_size_per_shard == 8 * 32 // 4
-    assert topology.global_minibatch_size == 64 * 32 // 4
-    assert topology.num_updates == 100_000 // (64 * 32)
+    sizes = topology.make_topology(config, num_devices=4)
+    assert sizes.shards_per_device == 2
+    assert sizes.num_envs_per_shard == 8
+    assert sizes.minibatch_size_per_shard == 8 * 32 // 4
+    assert sizes.global_minibatch_size == 64 * 32 // 4
+    assert sizes.num_updates == 100_000 // (64 * 32)
 
 
 @pytest.mark.parametrize("values,needle", [
@@ -277,7 +277,7 @@ def test_topology_sizes():
 ])
 def test_topology_errors_name_keys_and_numbers(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
-        sharding.make_topology(from_dict(values), num_devices=4)
+        topology.make_topology(from_dict(values), num_devices=4)
 
 
 def test_minibatch_advantages_normalised_over_all_shards():
@@ -288,7 +288,7 @@ def test_minibatch_advantages_normalised_over_all_shards():
     advantages = (50.0 + rng.normal(size=(num_shards, per_shard)) * np.arange(1, 5)[:, None]).astype(np.float32)
     indices = np.stack([rng.permutation(per_shard) for _ in range(2)]).reshape(2, 3, 4)  # [E, M, n]
     mesh = sharding.make_mesh(jax.devices()[:2])
-    normalise = lambda adv, idx: normalize_minibatch_advantages(adv, idx, sharding.DeviceShards())
+    normalise = lambda adv, idx: normalize_minibatch_advantages(adv, idx, shards.DeviceShards())
     result = sharding.all_shards(sharding.shard_parallel(normalise, mesh)(
         jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (num_shards,) + indices.shape)
     ))

@@ -31,7 +31,7 @@ from conftest import host_leaves, subprocess_env
 from matplotlib import image
 
 import jaxddppo
-from jaxddppo import cpu_tuning, sharding
+from jaxddppo import cpu_tuning, sharding, topology
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.config import ConfigError, from_dict, with_overrides
 from jaxddppo.sweep import (
@@ -212,7 +212,7 @@ def test_command_line_options_may_come_between_overrides():
     (1, 8, 8, None, (1, 8, 8)),
 ])
 def test_placement_is_derived(members, shards, devices, member_devices, expected):
-    placement = sharding.place_population(members, shards, devices, member_devices)
+    placement = topology.place_population(members, shards, devices, member_devices)
     assert (placement.member_devices, placement.shard_devices, placement.num_shards) == expected
     assert placement.member_devices * placement.shard_devices == devices
     assert placement.members_per_device * placement.member_devices == members
@@ -227,7 +227,7 @@ def test_placement_is_derived(members, shards, devices, member_devices, expected
 ])
 def test_impossible_placement_is_one_clear_error(members, shards, devices, member_devices, expected):
     with pytest.raises(ConfigError) as error:
-        sharding.place_population(members, shards, devices, member_devices)
+        topology.place_population(members, shards, devices, member_devices)
     message = str(error.value)
     assert "\n" not in message
     for text in expected:

@@ -1,0 +1,170 @@
+"""Shard semantics: what a per-device function does with its device's shards.
+
+A *shard* is a logical slice of the global batch with its own environments and its own
+local minibatching; a *device* is physical. Every array of the training state has a leading
+axis of length `num_shards`, split over the mesh axis `DEVICE_AXIS`, so a device holds
+`shards_per_device` of them. A per-device function runs each of its shards' computations
+with `DeviceShards.map` and reduces over all shards with `DeviceShards.sum`/`mean`; by
+default the shards run one after another and sums add the shards in order of global shard
+index, so the results do not depend on how shards map to devices, bit for bit.
+
+A sweep's population adds a leading member axis, `MEMBER_AXIS`; members never communicate.
+Other modules never name an axis: they call `DeviceShards`' methods. The update
+(`ppo.py`), the normalisers and the evaluation need this module alone; the mesh and the
+compile wrapper are `sharding.py`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEVICE_AXIS = "device"
+MEMBER_AXIS = "member"
+
+
+@dataclass(frozen=True)
+class DeviceShards:
+    """How a per-device function (`shard_parallel`) handles the shards of its device,
+    whose leaves lead with [shards_per_device]: `map` runs a per-shard function on each,
+    `sum` and `mean` reduce a per-shard value over every shard of the run, giving the same
+    unbatched value on every device.
+
+    `exact` (`train.exact_reductions`): a device's shards run one after another and every
+    sum adds the shards in order of their global index, whatever the device count, so a
+    run computes the same bits on any number of devices. Otherwise shards run batched
+    (`vmap`) and a sum is one all-reduce (`psum`), which adds in an order set by the
+    placement; XLA also compiles a batch of shards otherwise than one shard, in the last
+    bits.
+    """
+
+    exact: bool = True
+
+    def map(self, per_shard: Callable, *args: Any) -> Any:
+        """`per_shard` over the leading [shards_per_device] axis of every leaf of `args`."""
+        if self.exact:
+            return _in_turn(per_shard, args)
+        return over_leading_axis(per_shard, (), batched=True)(*args)
+
+    @staticmethod
+    def map_batched(per_shard: Callable, *args: Any) -> Any:
+        """`per_shard` batched (`vmap`) over the device's shards, exact or not: only for
+        computations whose bits batching cannot change (random keys, gathers and reshapes,
+        elementwise arithmetic). Fewer loops compile faster."""
+        return jax.vmap(per_shard)(*args)
+
+    def sum(self, tree: Any) -> Any:
+        """Sum over every shard of the run of `tree`, whose float leaves lead with
+        [shards_per_device]; the result, without that axis, is the same on every device."""
+        if self.exact:
+            return _ordered_sum(tree)
+        return jax.lax.psum(jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree), DEVICE_AXIS)
+
+    def mean(self, tree: Any) -> Any:
+        """Mean over every shard of the run (see `sum`)."""
+        num_shards = self.num_shards(tree)
+        return jax.tree.map(lambda total: total / num_shards, self.sum(tree))
+
+    @staticmethod
+    def num_shards(tree: Any) -> int:
+        """The run's shard count, from a per-device value whose leaves lead with [shards_per_device]."""
+        return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
+
+
+def one_copy(tree: Any) -> Any:
+    """The first local shard's copy of a value every shard holds (leaves [shards_per_device, ...])."""
+    return jax.tree.map(lambda leaf: leaf[0], tree)
+
+
+def copies(tree: Any, shards_per_device: int) -> Any:
+    """`tree` repeated for each of the device's shards: leaves [shards_per_device, ...]."""
+    return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (shards_per_device, *jnp.shape(leaf))), tree)
+
+
+def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
+    """`per_shard` on each shard of `args` (leaves [L, ...]), one after another.
+
+    XLA must compile the shard's computation alike for every L, and it would not for
+    L = 1: a loop it knows runs once is inlined, and slices along an axis of length 1
+    are simplified away, so a device's only shard would compute other last bits than a
+    shard among several. So the loop's trip count is hidden from XLA, and a single
+    shard's arguments and results sit in buffers of two (the second never read).
+    """
+    num_local = _leading_length(args)
+    buffer_length = max(num_local, 2)
+    if num_local == 1:
+        args = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]), args)
+    shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), one_copy(args))
+    outputs = jax.tree.map(lambda shape: jnp.zeros((buffer_length, *shape.shape), shape.dtype), shapes)
+
+    def one_shard(index: jax.Array, outputs: Any) -> Any:
+        shard_args = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), args)
+        return jax.tree.map(lambda stacked, value: stacked.at[index].set(value), outputs, per_shard(*shard_args))
+
+    trip_count = jax.lax.optimization_barrier(jnp.int32(num_local))
+    outputs = jax.lax.fori_loop(0, trip_count, one_shard, outputs)
+    return jax.tree.map(lambda stacked: stacked[:num_local], outputs)
+
+
+def _leading_length(tree: Any) -> int:
+    return jax.tree.leaves(tree)[0].shape[0]
+
+
+def _ordered_sum(tree: Any) -> Any:
+    """Sum over every shard in order of global shard index: ((s0 + s1) + s2) + ...
+
+    The leaves are laid end to end into [L, P] (L shards on this device). With D > 1
+    devices, an all-to-all hands device d the d-th of D column chunks of every shard's
+    row, in global shard order; it adds them and an all-gather reassembles the sum. Each
+    device moves about (L + 1) x P values, like a ring all-reduce for L = 1, whatever D.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    num_local = leaves[0].shape[0]
+    rows = jnp.concatenate([leaf.reshape(num_local, -1) for leaf in leaves], axis=1)
+    width = rows.shape[1]
+    num_devices = jax.lax.axis_size(DEVICE_AXIS)
+    if num_devices > 1:
+        chunk = -(-width // num_devices)
+        rows = jnp.pad(rows, ((0, 0), (0, chunk * num_devices - width)))
+        rows = rows.reshape(num_local, num_devices, chunk)
+        rows = jax.lax.all_to_all(rows, DEVICE_AXIS, 1, 0, tiled=True)[:, 0]  # [num_shards, chunk]
+    # A loop XLA cannot unroll: with D = 1 it would otherwise see through the sum to each
+    # leaf and compile the consumers (the gradient's norm) otherwise than for D > 1.
+    num_rows = jax.lax.optimization_barrier(jnp.int32(rows.shape[0]))
+    total = jax.lax.fori_loop(1, num_rows, lambda row, total: total + rows[row], rows[0])
+    if num_devices > 1:
+        total = jax.lax.all_gather(total, DEVICE_AXIS, tiled=True)[:width]
+    sizes = [leaf[0].size for leaf in leaves]
+    parts = jnp.split(total, np.cumsum(sizes)[:-1])
+    return jax.tree.unflatten(treedef, [part.reshape(leaf.shape[1:]) for part, leaf in zip(parts, leaves)])
+
+
+def over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batched: bool) -> Callable:
+    """`function` over the leading axis of every argument but those at `shared_argnums`:
+    `jax.vmap` if `batched`, else `lax.map` (one after another).
+
+    An axis of length 1 is indexed instead: XLA compiles a batch of one otherwise than no
+    batch (it turns the gradient's matrix products around), which would change the bits
+    that a shard alone on its device, or a member, computes.
+    """
+
+    def mapped(*args: Any) -> Any:
+        mapped_args = [arg for index, arg in enumerate(args) if index not in shared_argnums]
+
+        def call(unshared: Sequence[Any]) -> Any:
+            remaining = iter(unshared)
+            return function(*[arg if index in shared_argnums else next(remaining) for index, arg in enumerate(args)])
+
+        length = jax.tree.leaves(mapped_args)[0].shape[0]
+        if length == 1:
+            return jax.tree.map(lambda leaf: leaf[None], call(jax.tree.map(lambda leaf: leaf[0], mapped_args)))
+        if not batched:
+            return jax.lax.map(call, mapped_args)
+        return jax.vmap(call)(mapped_args)
+
+    mapped.__name__ = getattr(function, "__name__", "mapped")  # names the compiled program
+    return mapped
