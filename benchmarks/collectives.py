@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import CPU_DEVICE_COUNT_FLAG, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT
+from bench import CPU_DEVICE_COUNT_FLAG, EXIT_TRIAL_FAILED, REPO_ROOT, OneLineParser
 
 LARGE_OVERRIDES = {"env.num_envs": 2048, "ppo.num_steps": 128, "train.total_env_steps": 2048 * 128 * 4,
                    "train.updates_per_chunk": 4}
@@ -58,14 +58,15 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
     """Compile the training chunk on this process's devices; its collectives and parameter count."""
     import jax
 
-    from jaxddppo import sharding, train
+    from jaxddppo import sharding
     from jaxddppo.config import load_config, with_overrides
+    from jaxddppo.experiment import build, update_count
 
     config = with_overrides(load_config(config_path), {**LARGE_OVERRIDES, "train.exact_reductions": exact})
-    experiment = train.build(config)
+    experiment = build(config)
     state = experiment.init_state()
     program = experiment.learn_fn().lower(state, experiment.shard_inputs(),
-                                          train.update_count(experiment.mesh, config.train.updates_per_chunk))
+                                          update_count(experiment.mesh, config.train.updates_per_chunk))
     parameters = sum(leaf.size for leaf in jax.tree.leaves(sharding.first_shard(state.params)))
     return {"devices": jax.device_count(), "exact_reductions": exact, "parameters": parameters,
             "collectives": collectives(program.compile().as_text())}

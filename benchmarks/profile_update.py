@@ -76,20 +76,21 @@ def main() -> None:
 
     # The jaxddppo of the checkout this script is in, whichever one is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jaxddppo import distributed, train
+    from jaxddppo import distributed
     from jaxddppo.config import load_config
+    from jaxddppo.experiment import abstract_update_count, build, update_count
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
     for warning in distributed.start_backend(config):
         print(warning)
     start = time.perf_counter()
-    experiment = train.build(config)
+    experiment = build(config)
     build_seconds = time.perf_counter() - start
     size = experiment.topology.updates_per_chunk
     start = time.perf_counter()
     shard_inputs = experiment.shard_inputs()
     lowered = experiment.learn_fn().lower(experiment.abstract_state(), shard_inputs,
-                                          train.abstract_update_count(experiment.mesh))
+                                          abstract_update_count(experiment.mesh))
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
     chunk = lowered.compile()
@@ -98,7 +99,7 @@ def main() -> None:
     print(f"build {build_seconds:.2f} s, trace+lower {lower_seconds:.2f} s, XLA compile {compile_seconds:.2f} s; "
           f"{loops} while loops in the optimised program")
 
-    state, full_chunk = experiment.init_state(), train.update_count(experiment.mesh, size)
+    state, full_chunk = experiment.init_state(), update_count(experiment.mesh, size)
     seconds = []
     for _ in range(args.chunks):
         start = time.perf_counter()

@@ -19,8 +19,8 @@ from jaxddppo.checkpoint import CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import ConfigError
 from jaxddppo.eval_episodes import EvalResult, evaluate_policy
+from jaxddppo.experiment import final_eval_key
 from jaxddppo.policy import Policy, load_policy
-from jaxddppo.train import final_eval_key
 
 
 def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[int] = None) -> EvalResult:

@@ -21,9 +21,9 @@ from jaxddppo import sharding
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import Config, load_resume_config
 from jaxddppo.envs import BatchedEnv
+from jaxddppo.experiment import build
 from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
-from jaxddppo.train import build
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""PPO: the loss, epochs x minibatches with a gradient all-reduce, and one update step.
+"""PPO's update: epochs x minibatches of the loss's mean gradient (`loss.py`), and one
+update step from rollout to new parameters.
 
 `make_update` binds the static pieces (environment, network, sizes) and returns
 the per-device `update(state, hyperparams) -> (state, metrics)`;
@@ -20,10 +21,19 @@ import optax
 from flax import struct
 
 from jaxddppo import cpu_tuning
-from jaxddppo.config import Config, PPOConfig
+from jaxddppo.config import Config
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
-from jaxddppo.networks import ActorCritic, policy_step, prepare_observations, unroll
+from jaxddppo.loss import (
+    Batch,
+    LossInfo,
+    PPOHyperparams,
+    SequenceObs,
+    loss_apply_fn,
+    mean_gradients,
+    normalize_minibatch_advantages,
+)
+from jaxddppo.networks import ActorCritic, policy_step, prepare_observations
 from jaxddppo.normalization import (
     RunningMoments,
     discounted_returns,
@@ -35,24 +45,6 @@ from jaxddppo.normalization import (
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
 from jaxddppo.shards import DeviceShards, copies, one_copy
 from jaxddppo.topology import Topology
-
-
-@struct.dataclass
-class PPOHyperparams:
-    """The float hyperparameters, traced (so a sweep can vmap over them)."""
-
-    learning_rate: jax.Array
-    gamma: jax.Array
-    gae_lambda: jax.Array
-    clip_eps: jax.Array
-    vf_coef: jax.Array
-    ent_coef: jax.Array
-    max_grad_norm: jax.Array
-    adam_eps: jax.Array
-
-    @classmethod
-    def from_config(cls, config: PPOConfig) -> "PPOHyperparams":
-        return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -124,38 +116,6 @@ class TrainState:
 
 
 @struct.dataclass
-class SequenceObs:
-    """A recurrent policy's input: whole environment sequences and the carry they start from."""
-
-    obs: Any  # leaves [T, B, ...], as the network sees them (normalised if the run normalises)
-    episode_start: jax.Array  # [T, B]
-    carry: Any  # leaves [B, ...]: the carry before each sequence's first step
-
-
-@struct.dataclass
-class Batch:
-    """Learning samples: flat over [T * B] (feed-forward) or [T, B] sequences (recurrent; `obs`
-    is then a SequenceObs), or one minibatch of either."""
-
-    obs: Any
-    action: jax.Array
-    log_prob: jax.Array
-    value: jax.Array
-    advantage: jax.Array
-    target: jax.Array  # value target: advantage + value
-
-
-@struct.dataclass
-class LossInfo:
-    policy_loss: jax.Array
-    value_loss: jax.Array
-    entropy: jax.Array
-    approx_kl: jax.Array
-    clip_fraction: jax.Array
-    grad_norm: jax.Array
-
-
-@struct.dataclass
 class UpdateMetrics(LossInfo):
     """Per-update metrics, identical on every shard: the LossInfo fields (means over all
     SGD steps and shards), then statistics of the rollout."""
@@ -165,39 +125,6 @@ class UpdateMetrics(LossInfo):
     episode_return_mean: jax.Array  # NaN if no episode ended during the update
     episode_length_mean: jax.Array
     episodes_completed: jax.Array
-
-
-def ppo_loss(
-    params: Any, apply_fn: Callable, batch: Batch, hyperparams: PPOHyperparams, clip_value: bool
-) -> tuple[jax.Array, LossInfo]:
-    """Clipped-surrogate PPO loss of one minibatch; every field of `batch` is [N, ...].
-
-    `batch.advantage` is used as given (normalise it before calling).
-    Returns the scalar loss and its parts (grad_norm left at 0).
-    """
-    dist, value = apply_fn(params, batch.obs)
-    log_ratio = dist.log_prob(batch.action) - batch.log_prob
-    ratio = jnp.exp(log_ratio)
-    clip_eps = hyperparams.clip_eps
-    surrogate = ratio * batch.advantage
-    clipped_surrogate = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * batch.advantage
-    policy_loss = -jnp.mean(jnp.minimum(surrogate, clipped_surrogate))
-    value_error = jnp.square(value - batch.target)
-    if clip_value:
-        clipped_value = batch.value + jnp.clip(value - batch.value, -clip_eps, clip_eps)
-        value_error = jnp.maximum(value_error, jnp.square(clipped_value - batch.target))
-    value_loss = 0.5 * jnp.mean(value_error)
-    entropy = jnp.mean(dist.entropy())
-    loss = policy_loss + hyperparams.vf_coef * value_loss - hyperparams.ent_coef * entropy
-    info = LossInfo(
-        policy_loss=policy_loss,
-        value_loss=value_loss,
-        entropy=entropy,
-        approx_kl=jnp.mean((ratio - 1.0) - log_ratio),
-        clip_fraction=jnp.mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
-        grad_norm=jnp.zeros(()),
-    )
-    return loss, info
 
 
 def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings: UpdateSettings) -> jax.Array:
@@ -220,45 +147,6 @@ def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> opt
 def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
     """The optimizer's initial state for `params`."""
     return make_optimizer(hyperparams, settings).init(params)
-
-
-def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
-    """Advantages of every minibatch, normalised over that global minibatch (all shards).
-
-    `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
-    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
-    together, around a shift common to every shard (the rollout mean) so
-    E[x^2] - E[x]^2 does not cancel.
-    """
-    shift = shards.mean(shards.map(jnp.mean, advantages))
-    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
-    mean, mean_square = shards.mean(shards.map(
-        lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
-    ))
-    std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
-    # A product, not a division: XLA may rewrite a division into a product by the
-    # reciprocal, depending on the surrounding program, which would change the last bits.
-    inverse_std = 1.0 / (std + 1e-8)
-    return shards.map_batched(lambda shard: (shard - mean[..., None]) * inverse_std[..., None], centered)
-
-
-def mean_gradients(
-    params: Any, minibatches: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool,
-    shards: DeviceShards,
-) -> tuple[Any, LossInfo]:
-    """Gradient of the global minibatch: each shard's gradient of its own loss (`minibatches`
-    leaves [L, ...]), averaged over every shard. Returns it and each shard's loss info [L]
-    (grad_norm: the mean gradient's norm).
-
-    `jax.grad` is taken of each local loss and the gradients are then averaged: under
-    `shard_parallel` (pmap semantics) grad of an averaged loss would be local.
-    """
-    grads, infos = shards.map(
-        lambda minibatch: jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value),
-        minibatches,
-    )
-    grads = shards.mean(grads)
-    return grads, infos.replace(grad_norm=jnp.broadcast_to(optax.tree.norm(grads), infos.grad_norm.shape))
 
 
 def take_samples(batch: Batch, index: jax.Array) -> Batch:
@@ -387,15 +275,6 @@ def sequence_batch(transitions: Transition, advantages: jax.Array, obs: Any, ini
         advantage=advantages,
         target=advantages + transitions.value,
     )
-
-
-def loss_apply_fn(network: ActorCritic) -> Callable[[Any, Any], tuple[Any, jax.Array]]:
-    """(params, batch.obs) -> (distribution, value) as `ppo_loss` needs it."""
-    if not network.recurrent:
-        return network.apply
-    return lambda params, sequences: unroll(
-        network, params, sequences.carry, sequences.obs, sequences.episode_start
-    )[1:]
 
 
 @struct.dataclass

@@ -23,10 +23,12 @@ from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.config import ConfigError, from_dict, load_config, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
-from jaxddppo.outputs import truncate_metrics
+from jaxddppo.experiment import Experiment, all_finite, build, update_count
+from jaxddppo.loop import NonFiniteError, chunk_plan
 from jaxddppo.normalization import normalize
+from jaxddppo.outputs import truncate_metrics
 from jaxddppo.policy import load_policy
-from jaxddppo.train import Experiment, NonFiniteError, all_finite, build, chunk_plan, run, update_count
+from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

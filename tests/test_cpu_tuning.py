@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import host_leaves
+
 from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, is_on, resolve, sort_permutations
 from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
 
@@ -80,11 +80,11 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     """run.cpu_tuning on: every program compiles with `compiler_options` for its platform,
     the initialisation as a program that runs once; it starts from the state the plain path
     starts from, but for the last bits."""
-    from jaxddppo import cpu_tuning, train
+    from jaxddppo import cpu_tuning, experiment
     from jaxddppo.config import from_dict, with_overrides
 
     config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
-    plain = train.build(config, jax.devices()[:1])
+    plain = experiment.build(config, jax.devices()[:1])
     asked = []
 
     def recorded(platform, runs_once):
@@ -92,11 +92,11 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
         return compiler_options(platform, runs_once)
 
     monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
-    train.compile_programs(plain)
+    experiment.compile_programs(plain)
     assert asked == []
-    tuned = train.build(with_overrides(config, {"run.cpu_tuning": "auto"}), jax.devices()[:1])
+    tuned = experiment.build(with_overrides(config, {"run.cpu_tuning": "auto"}), jax.devices()[:1])
     assert tuned.config.run.cpu_tuning == "on" and tuned.settings.minibatch_shuffle == "cpu_sorts"
-    tuned_programs = train.compile_programs(tuned)
+    tuned_programs = experiment.compile_programs(tuned)
     assert sorted(asked) == [("cpu", False), ("cpu", True)]  # the chunk; the initialisation
     want = plain.init_state()
     got = tuned_programs.init(tuned_programs.inputs)

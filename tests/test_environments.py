@@ -11,9 +11,9 @@ import pytest
 
 from jaxddppo.config import NetworkConfig, from_dict
 from jaxddppo.envs import available_env_ids, make_env
+from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.rollout import RolloutState, collect_rollout
-from jaxddppo.train import build, update_count
 
 NUM_ENVS, NUM_STEPS = 3, 4
 

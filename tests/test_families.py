@@ -8,15 +8,15 @@ import importlib.util
 import jax
 import numpy as np
 import pytest
+from conftest import FAMILY_IDS, family_installed, host_leaves
 
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
+from jaxddppo.experiment import Experiment, build, update_count
 from jaxddppo.policy import load_policy
-from jaxddppo.sweep import build_population
-from jaxddppo.train import Experiment, build, run, update_count
-
-from conftest import FAMILY_IDS, family_installed, host_leaves
+from jaxddppo.population import build_population
+from jaxddppo.train import run
 
 
 def test_a_bare_id_is_gymnax_and_a_prefixed_id_names_its_family():

@@ -25,10 +25,9 @@ import pytest
 from jaxddppo import sharding, shards
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import BatchedEnv, make_env
+from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo.ppo import (
-    Batch, LossInfo, PPOHyperparams, UpdateSettings, minibatch_indices, optimizer_state, ppo_loss, run_epochs,
-)
+from jaxddppo.ppo import UpdateSettings, minibatch_indices, optimizer_state, run_epochs
 from jaxddppo.rollout import gae
 
 RTOL = 1e-5

@@ -17,7 +17,8 @@ from conftest import subprocess_env
 
 from jaxddppo import distributed, sharding
 from jaxddppo.config import load_config
-from jaxddppo.train import build, run
+from jaxddppo.experiment import build
+from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=8",

@@ -20,6 +20,7 @@ from jaxddppo import sharding, shards
 from jaxddppo.config import NetworkConfig, from_dict
 from jaxddppo.envs import make_env
 from jaxddppo.eval_episodes import evaluate_policy
+from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import make_actor_critic, policy_step
 from jaxddppo.normalization import (
     OBS_CLIP,
@@ -31,7 +32,6 @@ from jaxddppo.normalization import (
 )
 from jaxddppo.ppo import scale_rollout_rewards
 from jaxddppo.rollout import RolloutState, collect_rollout
-from jaxddppo.train import build, update_count
 
 NUM_SHARDS, NUM_ENVS, NUM_STEPS, NUM_ROLLOUTS, GAMMA = 4, 3, 24, 2, 0.9
 

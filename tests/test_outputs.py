@@ -17,8 +17,9 @@ import pytest
 from jaxddppo import sharding
 from jaxddppo.config import ConfigError, from_dict
 from jaxddppo.eval_episodes import evaluate_policy
+from jaxddppo.experiment import build
 from jaxddppo.outputs import METRIC_FIELDS
-from jaxddppo.train import build, run
+from jaxddppo.train import run
 
 # Per-shard sums, an all-reduce, then a scale: float32 reduction order only.
 EVAL_RTOL = 1e-6

@@ -89,3 +89,29 @@ def test_the_package_uses_public_jax_only_and_registers_nothing():
                  for number, line in enumerate(path.read_text().splitlines(), start=1)
                  if PRIVATE_JAX.search(line)]
     assert offending == []
+
+
+IMPORTS_SCRIPT = r"""
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(name for name in sys.modules if name.startswith("jaxddppo"))))
+"""
+
+
+def imported_modules(module: str) -> set[str]:
+    """The package's modules that importing `module` in a fresh process imports."""
+    result = subprocess.run([sys.executable, "-c", IMPORTS_SCRIPT, module], cwd=REPO_ROOT, env=subprocess_env(1),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
+def test_the_update_imports_the_shard_semantics_alone_and_a_policy_no_trainer():
+    mesh_and_start_up = {"jaxddppo.sharding", "jaxddppo.distributed", "jaxddppo.experiment"}
+    trainer = {"jaxddppo.loop", "jaxddppo.train", "jaxddppo.sweep", "jaxddppo.population", "jaxddppo.run_dir"}
+    for module in ("jaxddppo.ppo", "jaxddppo.normalization", "jaxddppo.eval_episodes"):
+        imported = imported_modules(module)
+        assert "jaxddppo.shards" in imported and not imported & (mesh_and_start_up | trainer), (module, imported)
+    for module in ("jaxddppo.policy", "jaxddppo.evaluate"):
+        imported = imported_modules(module)
+        assert "jaxddppo.experiment" in imported and not imported & trainer, (module, imported)

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 from conftest import host_leaves
 
-from jaxddppo import sharding, shards, train
+from jaxddppo import sharding, shards
 from jaxddppo.checkpoint import Checkpointer, RunCounters
 from jaxddppo.config import ConfigError, NetworkConfig, from_dict
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
+from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import Categorical, make_actor_critic
 from jaxddppo.normalization import OBS_CLIP, init_observation_moments, normalize, update_moments
 from jaxddppo.rollout import RolloutState, collect_rollout
-from jaxddppo.train import build
 
 NUM_ACTIONS, NUM_POSITIONS, TIME_LIMIT = 4, 10, 12
 
@@ -191,7 +191,7 @@ def learn(experiment):
     """Three updates in one chunk: the initial parameters (shard 0, on the host) and the final state."""
     state = experiment.init_state()
     initial_params = sharding.first_shard(state.params)
-    count = train.update_count(experiment.mesh, 3)
+    count = update_count(experiment.mesh, 3)
     state, metrics, finite = experiment.learn_fn()(state, experiment.shard_inputs(), count)
     assert np.all(np.asarray(finite))
     assert np.isfinite(np.asarray(metrics.policy_loss)).all() and np.isfinite(np.asarray(metrics.entropy)).all()

@@ -22,18 +22,9 @@ import pytest
 from jaxddppo import sharding, shards, topology
 from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
 from jaxddppo.envs import make_env
+from jaxddppo.loss import Batch, PPOHyperparams, SequenceObs, loss_apply_fn, mean_gradients
 from jaxddppo.networks import make_actor_critic, policy_step, unroll
-from jaxddppo.ppo import (
-    Batch,
-    PPOHyperparams,
-    SequenceObs,
-    UpdateSettings,
-    loss_apply_fn,
-    sequence_advantages,
-    sequence_indices,
-    mean_gradients,
-    take_sequences,
-)
+from jaxddppo.ppo import UpdateSettings, sequence_advantages, sequence_indices, take_sequences
 from jaxddppo.rollout import RolloutState, collect_rollout
 from jaxddppo.train import run
 

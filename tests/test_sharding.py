@@ -24,12 +24,14 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
 
-from jaxddppo import cpu_tuning, distributed, sharding, shards, topology, train
+from jaxddppo import cpu_tuning, distributed, sharding, shards, topology
 from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
 from jaxddppo.envs import make_env
+from jaxddppo.experiment import abstract_update_count, build, update_count
+from jaxddppo.loss import Batch, PPOHyperparams, mean_gradients, normalize_minibatch_advantages
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.ppo import Batch, PPOHyperparams, make_update, mean_gradients, normalize_minibatch_advantages
-from jaxddppo.train import build, run
+from jaxddppo.ppo import make_update
+from jaxddppo.train import run
 
 # Same maths, different reduction order (per-shard means, then the all-reduce):
 # measured about 1e-7 relative L2 in float32.
@@ -129,7 +131,7 @@ def runs_by_device_count():
     for num_devices in (1, 2, 4):
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
-        learn, inputs, three = experiment.learn_fn(), experiment.shard_inputs(), train.update_count(experiment.mesh, 3)
+        learn, inputs, three = experiment.learn_fn(), experiment.shard_inputs(), update_count(experiment.mesh, 3)
         state, _, _ = learn(state, inputs, three)
         state, metrics, _ = learn(state, inputs, three)
         results[num_devices] = (experiment, state, metrics, learn)
@@ -150,7 +152,7 @@ def test_same_learning_on_any_device_count(runs_by_device_count, num_devices):
 def learnt_on(config, num_devices: int):
     experiment = build(config, jax.devices()[:num_devices])
     learn, inputs = experiment.learn_fn(), experiment.shard_inputs()
-    state, metrics, _ = learn(experiment.init_state(), inputs, train.update_count(experiment.mesh, 2))
+    state, metrics, _ = learn(experiment.init_state(), inputs, update_count(experiment.mesh, 2))
     stats = experiment.eval_fn()(state.params, state.obs_moments, state.update_index, inputs)
     return host_leaves((state, metrics, stats))
 
@@ -246,8 +248,8 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
     inputs = experiment.shard_inputs()
     scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state(), inputs)
     learn = experiment.learn_fn()
-    state, first_metrics, _ = learn(experiment.init_state(), inputs, train.update_count(experiment.mesh, 2))
-    state, second_metrics, _ = learn(state, inputs, train.update_count(experiment.mesh, 1))
+    state, first_metrics, _ = learn(experiment.init_state(), inputs, update_count(experiment.mesh, 2))
+    state, second_metrics, _ = learn(state, inputs, update_count(experiment.mesh, 1))
     assert learn._cache_size() == 1
     for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
         np.testing.assert_array_equal(got, want)
@@ -399,7 +401,7 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
         init = experiment.init_fn().lower(inputs)
         state = init.out_info
         evaluate = experiment.eval_fn().lower(state.params, state.obs_moments, state.update_index, inputs)
-        learn = experiment.learn_fn().lower(state, inputs, train.abstract_update_count(experiment.mesh))
+        learn = experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))
         return init, evaluate, learn
 
     first, other = experiment_with_seed(0), experiment_with_seed(5)

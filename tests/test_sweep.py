@@ -34,14 +34,11 @@ import jaxddppo
 from jaxddppo import cpu_tuning, sharding, topology
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.config import ConfigError, from_dict, with_overrides
-from jaxddppo.sweep import (
-    SWEEP_CSV_FIELDS,
-    expand_members,
-    parse_args,
-    resume_sweep,
-    split_overrides,
-)
-from jaxddppo.train import Experiment, NonFiniteError, run
+from jaxddppo.experiment import Experiment
+from jaxddppo.loop import NonFiniteError
+from jaxddppo.population import expand_members, split_overrides
+from jaxddppo.sweep import SWEEP_CSV_FIELDS, parse_args, resume_sweep
+from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Same maths, but XLA compiles a batch of members otherwise in the last bits (docs/sweeps.md).

@@ -1,0 +1,279 @@
+"""The compiled programs of a population of members (a single run being a population of
+one): `build` and `assemble` go from a config to an `Experiment` (topology, environment,
+network, update settings, mesh), whose entry points `compile_programs` compiles: the
+initialisation, the chunk of updates and the periodic evaluation. Loading a trained policy
+needs this module, not the training loop.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.flatten_util import ravel_pytree
+
+from jaxddppo import cpu_tuning, sharding, shards
+from jaxddppo.config import Config
+from jaxddppo.envs import BatchedEnv, make_env
+from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.loss import PPOHyperparams
+from jaxddppo.networks import ActorCritic, make_actor_critic
+from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
+from jaxddppo.topology import Topology, make_topology
+
+
+def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetrics]], hyperparams: Any,
+                state: TrainState, num_updates: jax.Array, capacity: int) -> tuple[TrainState, UpdateMetrics]:
+    """`num_updates` successive updates (a traced count, 1 to `capacity`) and their metrics,
+    stacked [capacity] with zeros after the last one.
+
+    The count is an argument, not the length of a scan, so that one compiled program runs
+    every chunk of a run: the last, shorter chunk and the chunks cut short by checkpoints
+    need no program of their own. The loop computes what a scan of the same updates
+    computes, bit for bit (tests/test_sharding.py).
+    """
+    update = jax.jit(update, inline=True)  # traced once, for the metrics' shapes and for the loop
+
+    def one_update(index: jax.Array, carry: tuple[TrainState, UpdateMetrics]) -> tuple[TrainState, UpdateMetrics]:
+        state, stacked = carry
+        state, metrics = update(state, hyperparams)
+        return state, jax.tree.map(lambda column, value: column.at[index].set(value), stacked, metrics)
+
+    shapes = jax.eval_shape(update, state, hyperparams)[1]
+    stacked = jax.tree.map(lambda shape: jnp.zeros((capacity, *shape.shape), shape.dtype), shapes)
+    return jax.lax.fori_loop(0, num_updates, one_update, (state, stacked))
+
+
+def update_count(mesh: jax.sharding.Mesh, num_updates: int) -> jax.Array:
+    """The `num_updates` argument of `run_updates`, replicated on every device of `mesh`."""
+    return sharding.shared_array(mesh, np.int32(num_updates))
+
+
+def abstract_update_count(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
+    """The shape, dtype and placement of `update_count(mesh, ...)`, for lowering."""
+    return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(mesh))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a population: a grid point and a seed. A single run is the only
+    member of its population."""
+
+    index: int
+    setting: int
+    seed: int
+    values: dict[str, Any]  # swept key -> value, as typed in the config (empty for a single run)
+    config: Config  # the single run this member is equivalent to
+
+
+@struct.dataclass
+class ShardInputs:
+    """Each shard's traced inputs, leaves leading with the state axes ([num_shards] for a
+    run, [num_members, num_shards] for a population): its global index within its member,
+    and its member's seed and hyperparameters. They are arguments, not constants of the
+    programs, so that one compiled program serves every seed and every hyperparameter
+    (and JAX's persistent compilation cache serves a run with other ones)."""
+
+    shard_index: jax.Array
+    seed: jax.Array
+    hyperparams: PPOHyperparams
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """Everything static about a population of members, and its compiled-on-demand entry
+    points. A single run is a population of one on a mesh without a member axis; a sweep's
+    mesh has one (`sharding.make_population_mesh`)."""
+
+    config: Config  # the base config, train.num_shards resolved
+    members: tuple[Member, ...]
+    topology: Topology  # of one member
+    mesh: jax.sharding.Mesh
+    env: BatchedEnv
+    network: ActorCritic
+    settings: UpdateSettings
+
+    @property
+    def is_sweep(self) -> bool:
+        """A sweep's outputs name the member of every metrics row, even a population of one."""
+        return sharding.is_population(self.mesh)
+
+    @property
+    def batch_members(self) -> bool:
+        return self.config.train.batch_members
+
+    def init_fn(self) -> Callable[[ShardInputs], TrainState]:
+        """`(shard_inputs) -> TrainState`: the initial global state, leaves leading with the state axes."""
+        def init_shard(shard: ShardInputs) -> TrainState:
+            return init_train_state(
+                shard.shard_index, shard.seed, self.env, self.network,
+                self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
+            )
+
+        # The shards' initial states are keys and elementwise draws, which batching leaves alone
+        # (tests/test_sharding.py compares them on 1, 2 and 4 devices).
+        return sharding.shard_parallel(sharding.per_shard(init_shard), self.mesh, batch_members=self.batch_members)
+
+    def shard_inputs(self) -> ShardInputs:
+        num_shards = self.topology.num_shards
+        per_shard = lambda per_member: np.repeat(np.asarray(per_member)[:, None], num_shards, axis=1)
+        hyperparams = [PPOHyperparams.from_config(member.config.ppo) for member in self.members]
+        return sharding.put_members(ShardInputs(
+            shard_index=np.tile(np.arange(num_shards, dtype=np.int32), (len(self.members), 1)),
+            seed=per_shard(np.array([member.seed for member in self.members], np.int32)),
+            hyperparams=jax.tree.map(lambda *leaves: per_shard(np.stack(leaves)), *hyperparams),
+        ), self.mesh)
+
+    def init_state(self) -> TrainState:
+        """The global training state, split over the mesh."""
+        return self.init_fn()(self.shard_inputs())
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
+        placement = sharding.shard_sharding(self.mesh)
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
+                            jax.eval_shape(self.init_fn(), self.shard_inputs()))
+
+    def learn_fn(self) -> Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
+        """`(state, shard_inputs, num_updates)`: up to `updates_per_chunk` updates of every
+        member in one jitted call, as many as `num_updates` says (`update_count(mesh, n)`).
+        Returns the new state, the metrics (leaves [..., updates_per_chunk] after the state
+        axes, see `run_updates`) and whether every parameter is finite afterwards (a bool
+        per shard, checked in the same program to spare the host loop a call)."""
+        update = make_update(self.env, self.network, self.settings)
+        capacity = self.topology.updates_per_chunk
+
+        def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
+                  ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
+            hyperparams = shards.one_copy(shard.hyperparams)
+            state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
+            num_local = shard.shard_index.shape[0]
+            return state, shards.copies(metrics, num_local), shards.copies(all_finite(state.params), num_local)
+
+        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
+                                      batch_members=self.batch_members)
+
+    def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
+        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf per shard.
+
+        The evaluation after update `u` uses the same episode keys whatever the shard count.
+        """
+        config, topology = self.config, self.topology
+
+        def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
+            params, obs_moments, update_index, seed = shards.one_copy((params, obs_moments, update_index, shard.seed))
+            eval_root = jax.random.fold_in(jax.random.key(seed), 3)
+            stats = evaluate_on_shards(
+                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
+                config.eval.num_episodes, topology.num_shards, self.settings.shards, obs_moments,
+            )
+            return shards.copies(stats, shard.shard_index.shape[0])
+
+        return sharding.shard_parallel(evaluate, self.mesh, batch_members=self.batch_members)
+
+    def final_evaluations(self, state: TrainState) -> list[EvalResult]:
+        """Every member's final deterministic evaluation of its shard 0, on the host, one
+        member after another with one compiled program (`jaxddppo.evaluate` reproduces it)."""
+        params, obs_moments = sharding.member_first_shards((state.params, state.obs_moments), self.mesh)
+        evaluate = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))
+        return [
+            evaluate(self.env, self.network, jax.tree.map(lambda leaf: leaf[member.index], params),
+                     final_eval_key(member.config), self.config.eval.num_episodes,
+                     jax.tree.map(lambda leaf: leaf[member.index], obs_moments))
+            for member in self.members
+        ]
+
+
+def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
+             topology: Topology) -> Experiment:
+    """The experiment of `members` (whose configs differ from `config` in seed and
+    hyperparameters at most) on `mesh`; compiles nothing. The experiment's config has
+    `run.cpu_tuning` resolved for the mesh's devices."""
+    config = cpu_tuning.resolve(config, mesh.devices.flat[0].platform)
+    env = make_env(config.env.id, config.env.optimistic_reset_ratio)
+    return Experiment(
+        config=config,
+        members=tuple(members),
+        topology=topology,
+        mesh=mesh,
+        env=env,
+        network=make_actor_critic(config.network, env.spec,
+                                  dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff"),
+        settings=UpdateSettings.from_config(config, topology),
+    )
+
+
+def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
+    """A single run: a population of one on a mesh over `devices` (default: every device
+    of every process). Validates everything that needs the environment and the devices;
+    compiles nothing. The experiment's config has train.num_shards resolved."""
+    mesh = sharding.make_mesh(devices)
+    topology = make_topology(config, num_devices=mesh.devices.size)
+    config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
+    member = Member(index=0, setting=0, seed=config.train.seed, values={}, config=config)
+    return assemble(config, [member], mesh, topology)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every element of every leaf of `tree` is finite: a bool scalar.
+
+    One test over the leaves laid end to end: tested leaf by leaf, the check compiled into
+    one or two kernels per parameter shape (10 kernels more in the CartPole chunk)."""
+    return jnp.all(jnp.isfinite(ravel_pytree(tree)[0]))
+
+
+@dataclass(frozen=True)
+class Programs:
+    """Everything a population executes, compiled, and their traced inputs: the
+    initialisation, the chunk of updates (`Experiment.learn_fn`, one program for chunks of
+    every length) and the periodic evaluation (None when `eval.every_updates` is 0)."""
+
+    inputs: ShardInputs
+    init: Callable[[ShardInputs], TrainState]
+    learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
+    evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
+
+    def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
+                       mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
+        """Every member's current policy evaluated if `updates_done` is on the cadence: host
+        statistics, leaves [num_members], or None. A collective over all shards: every
+        process calls it after the same chunks."""
+        if self.evaluate is None or updates_done % every_updates:
+            return None
+        stats = self.evaluate(state.params, state.obs_moments, state.update_index, self.inputs)
+        return sharding.member_first_shards(stats, mesh)
+
+
+def compile_programs(experiment: Experiment) -> Programs:
+    """The initialisation, the chunk of updates and, if asked, the periodic evaluation,
+    lowered from the initialisation's output shapes alone (nothing runs before every
+    program is compiled). Each program compiles as soon as it is lowered, the longest
+    first: XLA compiles without holding Python's GIL, so the next lowering runs beside
+    it. With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply."""
+    inputs = experiment.shard_inputs()
+    traced_init = experiment.init_fn().trace(inputs)
+    state = traced_init.out_info
+    lowerings = {"learn": lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))}
+    if experiment.config.eval.every_updates:
+        lowerings["evaluate"] = lambda: experiment.eval_fn().lower(
+            state.params, state.obs_moments, state.update_index, inputs
+        )
+    lowerings["init"] = traced_init.lower
+    platform = experiment.mesh.devices.flat[0].platform
+    options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
+               if cpu_tuning.is_on(experiment.config) else {} for name in lowerings}
+    with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
+        futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
+                   for name, lower in lowerings.items()}
+        compiled = {name: future.result() for name, future in futures.items()}
+    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"))
+
+
+def final_eval_key(config: Config) -> jax.Array:
+    """The key of the final evaluation (`jaxddppo.evaluate` uses it too, to reproduce it)."""
+    return jax.random.fold_in(jax.random.key(config.train.seed), 2)

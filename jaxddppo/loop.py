@@ -1,0 +1,400 @@
+"""The host loop that a run and a sweep share: start a session (the run directory, the
+progress output), compile, initialise or restore, then call, block, time, log, check and
+checkpoint chunk after chunk of updates; evaluate and summarise at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxddppo import cpu_tuning, distributed, sharding, shards
+from jaxddppo.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    Checkpointer,
+    CheckpointError,
+    RunCounters,
+    SaveSchedule,
+    StopSignals,
+)
+from jaxddppo.config import ConfigError
+from jaxddppo.eval_episodes import EvalStats
+from jaxddppo.experiment import Experiment, Programs, compile_programs, update_count
+from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics
+from jaxddppo.ppo import TrainState, UpdateMetrics
+from jaxddppo.run_dir import shared_run_dir, write_config
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `run` returns (`train_experiment` too, without a summary).
+
+    `summary` is summary.json's content, or None when training stopped before its
+    last update (`stopped_by` then names why: a signal or `stop_after_updates`).
+    """
+
+    summary: Optional[dict]
+    state: TrainState
+    run_dir: str
+    counters: RunCounters
+    compile_seconds: float
+    stopped_by: Optional[str] = None
+
+    @property
+    def preempted(self) -> bool:
+        """Stopped early by a signal (SIGTERM, SIGINT), with a checkpoint to resume from."""
+        return self.stopped_by not in (None, "stop_after_updates")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN or Inf; the message names the update and the quantity."""
+
+
+def eval_fields(evaluation: Optional[EvalStats]) -> dict[str, Optional[float]]:
+    """The eval_* fields of a metrics row: null on rows without an evaluation."""
+    if evaluation is None:
+        return {"eval_return_mean": None, "eval_return_std": None, "eval_length_mean": None}
+    return {
+        "eval_return_mean": float(evaluation.return_mean),
+        "eval_return_std": float(evaluation.return_std),
+        "eval_length_mean": float(evaluation.length_mean),
+    }
+
+
+def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
+                 wall_seconds: float, evaluation: Optional[EvalStats] = None) -> list[dict]:
+    """One dict per update from the metrics of one chunk (host arrays [num_updates]);
+    `evaluation`, if any, ran after the chunk's last update and goes on its row."""
+    columns = {name: np.asarray(value, np.float64) for name, value in vars(metrics).items()}
+    rows = []
+    for offset in range(len(columns["policy_loss"])):
+        update = first_update + offset + 1
+        row: dict[str, Any] = {
+            "update": update,
+            "env_steps": update * env_steps_per_update,
+            "wall_seconds": round(wall_seconds, 3),
+        }
+        row.update({name: float(values[offset]) for name, values in columns.items()})
+        row["episodes_completed"] = int(row["episodes_completed"])
+        row.update(eval_fields(None))
+        rows.append(row)
+    if evaluation is not None:
+        rows[-1].update(eval_fields(evaluation))
+    assert set(rows[0]) == set(METRIC_FIELDS), "metrics.jsonl fields and their documentation differ"
+    return rows
+
+
+# Quantities that are finite in every healthy update (explained_variance and the
+# episode means are legitimately undefined sometimes).
+GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm")
+
+
+def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
+    """(offset within the chunk, quantity) of the first NaN/Inf among the guarded metrics."""
+    for offset in range(len(np.asarray(metrics.policy_loss))):
+        for name in GUARDED_METRICS:
+            if not np.isfinite(np.asarray(getattr(metrics, name))[offset]):
+                return offset, name
+    return None
+
+
+def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
+    """Mean return over the episodes that ended in a chunk, weighted by their count."""
+    counts = np.asarray(metrics.episodes_completed, np.float64)
+    if counts.sum() == 0:
+        return None
+    returns = np.nan_to_num(np.asarray(metrics.episode_return_mean, np.float64))
+    return float((returns * counts).sum() / counts.sum())
+
+
+def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> Iterator[int]:
+    """Sizes of the chunks from update `start` to `stop`: cut at every multiple of
+    `updates_per_chunk` and of `checkpoint_every` (0: no checkpoint cuts)."""
+    update = start
+    while update < stop:
+        boundary = min(stop, (update // updates_per_chunk + 1) * updates_per_chunk)
+        if checkpoint_every:
+            boundary = min(boundary, (update // checkpoint_every + 1) * checkpoint_every)
+        yield boundary - update
+        update = boundary
+
+
+def process_label() -> str:
+    return f" (process {jax.process_index()} of {jax.process_count()})" if jax.process_count() > 1 else ""
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    state: TrainState
+    counters: RunCounters
+    saved_update: Optional[int]  # update of the newest checkpoint started, if any
+    stopped_by: Optional[str]
+
+
+@dataclass(frozen=True)
+class LoopOutputs:
+    """Where the host loop reports and saves."""
+
+    writer: Optional[MetricsSink]  # process 0 only
+    progress: Progress
+    checkpointer: Checkpointer
+    signals: StopSignals
+
+
+def chunk_rows(experiment: Experiment, metrics: list[UpdateMetrics], first_update: int, wall_seconds: float,
+               evaluations: Optional[EvalStats]) -> list[dict]:
+    """The metrics rows of one chunk, member after member (`metrics`: host, one per member);
+    a sweep's rows lead with their member."""
+    rows = []
+    for member, member_metrics in enumerate(metrics):
+        evaluation = None if evaluations is None else jax.tree.map(lambda leaf: leaf[member], evaluations)
+        member_rows = metrics_rows(member_metrics, first_update, experiment.topology.env_steps_per_update,
+                                   wall_seconds, evaluation)
+        rows += [{"member": member, **row} for row in member_rows] if experiment.is_sweep else member_rows
+    return rows
+
+
+def check_finite(metrics: list[UpdateMetrics], params_finite: np.ndarray, first_update: int,
+                 name_members: bool) -> None:
+    """Raise NonFiniteError naming the member (in a sweep), the update and the quantity."""
+    for member, member_metrics in enumerate(metrics):
+        whose = f" of member {member}" if name_members else ""
+        bad = first_non_finite(member_metrics)
+        if bad is not None:
+            offset, name = bad
+            raise NonFiniteError(f"non-finite {name}{whose} at update {first_update + offset + 1}")
+        if not params_finite[member]:
+            size = len(np.asarray(member_metrics.policy_loss))
+            raise NonFiniteError(f"non-finite parameters{whose} after update {first_update + size}")
+
+
+def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
+                 counters: RunCounters, outputs: LoopOutputs) -> LoopResult:
+    """Call, block, time, log, check, checkpoint: the host loop over chunks of updates of
+    every member.
+
+    Raises NonFiniteError, after logging the chunk, without saving it.
+    """
+    topology, config, mesh = experiment.topology, experiment.config, experiment.mesh
+    num_members = len(experiment.members)
+    schedule = SaveSchedule(config.checkpoint.every_updates, config.checkpoint.every_seconds)
+    saved_update = None
+    for size in sizes:
+        chunk_start = time.perf_counter()
+        state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
+        metrics, params_finite = sharding.member_first_shards((metrics, params_finite), mesh)  # blocks
+        per_member = [jax.tree.map(lambda column: column[member, :size], metrics) for member in range(num_members)]
+        chunk_seconds = time.perf_counter() - chunk_start
+        first_update, update = counters.update, counters.update + size
+        eval_start = time.perf_counter()
+        evaluations = programs.evaluate_after(state, update, config.eval.every_updates, mesh)
+        eval_seconds = time.perf_counter() - eval_start
+        if outputs.writer is not None:
+            outputs.writer.write(chunk_rows(experiment, per_member, first_update,
+                                            counters.train_seconds + chunk_seconds, evaluations))
+        check_finite(per_member, params_finite, first_update, experiment.is_sweep)
+        if config.debug.check_replicas:
+            distributed.check_replicas(state.params, mesh, update)
+        returns = [chunk_episode_return(member_metrics) for member_metrics in per_member]
+        # Training time counts the host's work between chunks (logging, checks) but not evaluations.
+        counters = RunCounters(
+            update=update,
+            env_steps=update * topology.env_steps_per_update,
+            train_seconds=counters.train_seconds + time.perf_counter() - chunk_start - eval_seconds,
+            final_episode_returns=tuple(new if new is not None else old
+                                        for new, old in zip(returns, counters.final_episode_returns)),
+        )
+        known = [value for value in counters.final_episode_returns if value is not None]
+        outputs.progress.update(counters.env_steps * num_members,
+                                size * topology.env_steps_per_update * num_members / chunk_seconds,
+                                float(np.mean(known)) if known else None)
+        stop, save_due = outputs.signals.agreed(schedule.due_by_time())
+        if stop is not None or save_due or schedule.due_by_update(update):
+            outputs.checkpointer.save(state, counters)
+            schedule.saved()
+            saved_update = update
+        if stop is not None:
+            return LoopResult(state, counters, saved_update, stop)
+    return LoopResult(state, counters, saved_update, None)
+
+
+def summarise(experiment: Experiment, trained: TrainResult) -> dict:
+    """Evaluate the final policy deterministically and assemble summary.json."""
+    config, topology, counters = experiment.config, experiment.topology, trained.counters
+    evaluation = experiment.final_evaluations(trained.state)[0]
+    eval_returns = np.asarray(evaluation.returns, np.float64)
+    return {
+        "env_id": config.env.id,
+        "total_env_steps": counters.env_steps,
+        "num_updates": counters.update,
+        "num_devices": topology.num_devices,
+        "num_shards": topology.num_shards,
+        "num_processes": topology.num_processes,
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "compile_seconds": round(trained.compile_seconds, 3),
+        "train_seconds": round(counters.train_seconds, 3),
+        "env_steps_per_second": round(counters.env_steps / counters.train_seconds, 1),
+        "final_episode_return": counters.final_episode_returns[0],
+        "eval_return_mean": float(eval_returns.mean()),
+        "eval_return_std": float(eval_returns.std()),
+        "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
+        "eval_episodes": config.eval.num_episodes,
+        "params_digest": sharding.params_digests(trained.state.params, experiment.mesh)[0],
+    }
+
+
+def fresh_counters(num_members: int) -> RunCounters:
+    return RunCounters(update=0, env_steps=0, train_seconds=0.0, final_episode_returns=(None,) * num_members)
+
+
+def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str,
+                progress: Progress) -> tuple[Optional[TrainState], RunCounters]:
+    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0).
+    Reads nothing but the checkpoint (no program is compiled), so a checkpoint that cannot
+    be resumed is refused at once.
+
+    A run stopped before its first checkpoint completed starts again from update 0 (the
+    state is then None); its metrics rows are written anew, identical.
+    """
+    state, counters = None, fresh_counters(len(experiment.members))
+    if checkpointer.steps():
+        state, counters = checkpointer.restore_latest(experiment.abstract_state(), progress.message, set_aside=True)
+        progress.message(f"resumed from {checkpointer.directory}/{counters.update}: update {counters.update} "
+                         f"of {experiment.topology.num_updates}, {counters.env_steps:,} env steps done")
+    else:
+        progress.message(f"no checkpoint in {checkpointer.directory} yet: starting again from update 0")
+    if counters.update > experiment.topology.num_updates:
+        raise ConfigError(
+            f"train.total_env_steps={experiment.config.train.total_env_steps} is below the "
+            f"{counters.env_steps} env steps the checkpoint at update {counters.update} has done"
+        )
+    if jax.process_index() == 0:
+        last_row = truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), counters.update)
+        if last_row < counters.update:
+            progress.message(f"warning: metrics.jsonl ends at update {last_row}, before the checkpoint's "
+                             f"update {counters.update}; updates {last_row + 1}-{counters.update} have no rows")
+    return state, counters
+
+
+@dataclass(frozen=True)
+class Session:
+    """Where and how a population trains: its run directory (claimed by process 0, or an
+    earlier run's to resume), its progress output, and when to stop early."""
+
+    run_dir: str
+    progress: Progress
+    resume: bool
+    stop_after_updates: Optional[int]
+
+
+def start_session(experiment: Experiment, name: str, resume: bool, stop_after_updates: Optional[int],
+                  warnings: Sequence[str]) -> Session:
+    """Claim a run directory (default `runs/<name>-<timestamp>`) and write config.yaml into
+    it, or take the resumed run's; open the progress output over every member's steps and
+    say what trains where, with `warnings`."""
+    config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
+    run_dir = config.run.dir if resume else shared_run_dir(config, name)
+    if is_writer and not resume:
+        write_config(run_dir, config)
+    members, per_member = len(experiment.members), ""
+    progress = Progress(topology.num_updates * topology.env_steps_per_update * members,
+                        config.run.progress and is_writer)
+    if experiment.is_sweep:
+        settings = len({member.setting for member in experiment.members})
+        rows = experiment.mesh.shape[shards.MEMBER_AXIS]
+        per_member = f" per member, {members} member(s) ({settings} setting(s)) on {rows} row(s) of such devices"
+    progress.message(
+        f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
+        f"{topology.num_devices} {jax.default_backend()} device(s), {topology.num_processes} process(es)"
+        f"{', CPU tuning on' if cpu_tuning.is_on(config) else ''}; "
+        f"{topology.num_updates} updates of {topology.env_steps_per_update} steps{per_member}; "
+        + (f"writing to {run_dir}" if is_writer else "process 0 writes the results")
+    )
+    for warning in warnings:
+        progress.message(warning)
+    return Session(run_dir, progress, resume, stop_after_updates)
+
+
+def train_experiment(experiment: Experiment, session: Session) -> TrainResult:
+    """Compile, initialise or restore, train chunk after chunk with checkpoints, and save
+    the last update: what a run and a sweep share. The caller writes the results."""
+    config, topology, progress = experiment.config, experiment.topology, session.progress
+    checkpointer = Checkpointer(session.run_dir, config.checkpoint.keep, config.checkpoint.async_save)
+    try:
+        trained = _train(experiment, session, checkpointer)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+    if trained.stopped_by is not None:
+        command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
+        progress.message(
+            f"stopped{process_label()} by {trained.stopped_by} after update {trained.counters.update} of "
+            f"{topology.num_updates}; checkpoint {checkpointer.directory}/{trained.counters.update}; continue with: "
+            f"python -m {command} --resume {session.run_dir}"
+        )
+    return trained
+
+
+def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer) -> TrainResult:
+    config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
+    compile_start = time.perf_counter()
+    stop_update = min(topology.num_updates, session.stop_after_updates or topology.num_updates)
+    state, counters, restored_update = None, fresh_counters(len(experiment.members)), None
+    if session.resume:
+        state, counters = restore_run(experiment, checkpointer, session.run_dir, session.progress)
+        restored_update = counters.update if counters.update else None
+        if is_writer:
+            write_config(session.run_dir, config)  # with the resume's overrides, once they proved valid
+    programs = compile_programs(experiment)
+    if state is None:
+        state = programs.init(programs.inputs)
+    plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
+    jax.block_until_ready(state)
+    compile_seconds = time.perf_counter() - compile_start
+
+    writer = open_metrics_sink(session.run_dir, config.run.tensorboard) if is_writer else None
+    try:
+        with StopSignals(session.progress.message) as signals:
+            loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters,
+                                LoopOutputs(writer, session.progress, checkpointer, signals))
+    except NonFiniteError as error:
+        checkpointer.wait()
+        newest = checkpointer.latest_step()
+        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
+            else "no checkpoint had been saved"
+        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
+    finally:
+        if writer is not None:
+            writer.close()
+    state, counters = loop.state, loop.counters
+    stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
+    if counters.update not in (loop.saved_update, restored_update):
+        checkpointer.save(state, counters)
+    return TrainResult(summary=None, state=state, run_dir=session.run_dir, counters=counters,
+                       compile_seconds=compile_seconds, stopped_by=stopped_by)
+
+
+def command_exit_code(command: Callable[[], TrainResult]) -> int:
+    """Run a command line's work (a run or a sweep) and give its exit code: 0 done,
+    PREEMPTED_EXIT_CODE stopped by a signal with a checkpoint, 2 bad input (config,
+    checkpoint), 1 failed (non-finite numbers, distributed errors), 130 interrupted; every
+    error is one line on stderr."""
+    try:
+        result = command()
+    except (ConfigError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (distributed.DistributedError, distributed.ReplicaDivergence, NonFiniteError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return PREEMPTED_EXIT_CODE if result.preempted else 0
