@@ -582,7 +582,7 @@ def fresh_counters(num_members: int) -> RunCounters:
 
 def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str,
                 progress: Progress) -> tuple[Optional[TrainState], RunCounters]:
-    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0).
+    """The newest intact checkpoint, and metrics.jsonl cut back to its update (process 0).
     Reads nothing but the checkpoint (no program is compiled), so a checkpoint that cannot
     be resumed is refused at once.
 
@@ -691,10 +691,8 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
                                 LoopOutputs(writer, session.progress, checkpointer, signals))
     except NonFiniteError as error:
         checkpointer.wait()
-        newest = checkpointer.latest_step()
-        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
-            else "no checkpoint had been saved"
-        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
+        raise NonFiniteError(f"{error}; stopped without saving it; "
+                             f"{checkpointer.newest_intact(experiment.abstract_state())}") from None
     finally:
         if writer is not None:
             writer.close()
@@ -713,7 +711,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     events if asked) to the run dir.
 
     With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
-    its newest readable checkpoint is restored and training continues from it.
+    its newest intact checkpoint is restored and training continues from it.
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
