@@ -12,9 +12,11 @@ read or fails the check, falling back to the one before it.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -37,6 +39,7 @@ _FORMAT_KEY = "checkpoint_format"
 # The digest item of a checkpoint. Checkpoints without one (jaxddppo before digests) are
 # restored with a warning that they are unverified; `verify` reports them as such.
 _DIGEST_ITEM = "digest"
+_TEMPORARY = "*.orbax-checkpoint-tmp*"  # orbax's name for a step being written
 
 
 class CheckpointError(Exception):
@@ -272,6 +275,24 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+    def abandon(self) -> list[str]:
+        """After a failed write: wait for the saves in flight and close, swallowing their errors
+        (the caller reports the first one), then remove partial steps (process 0). Returns the
+        names of the partial steps removed."""
+        for finish in (self.wait, self.close):
+            try:
+                finish()
+            except Exception:  # the same storage error again, or one it caused
+                pass
+        partial = sorted(glob.glob(os.path.join(self.directory, _TEMPORARY))) if jax.process_index() == 0 else []
+        for path in partial:
+            for _ in range(10):  # orbax's writer threads may still be finishing their failed writes
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.exists(path):
+                    break
+                time.sleep(0.1)
+        return [os.path.basename(path) for path in partial if not os.path.exists(path)]
 
 
 class SaveSchedule:

@@ -45,6 +45,7 @@ from jaxddppo.config import (
 from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
 from jaxddppo.ppo import PPOHyperparams
+from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError
 from jaxddppo.train import (
     Experiment,
     Member,
@@ -437,7 +438,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         f"config of every member. Sweepable keys: {', '.join(SWEEPABLE_KEYS)}, {SEED_KEY}. Results: "
         "sweep.csv, metrics.jsonl (with a member column), curves.png, summary.json, checkpoints/ in run.dir; "
         "--resume continues a sweep from its newest checkpoint. Exit codes: 0 done, 1 failed (non-finite numbers, "
-        f"distributed errors), 2 bad input, {PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved.",
+        f"distributed errors), 2 bad input, {STORAGE_EXIT_CODE} storage error (fix it, then resume), "
+        f"{PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved.",
         epilog="configuration keys (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -492,6 +494,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return STORAGE_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -47,6 +47,7 @@ from jaxddppo.outputs import (METRIC_FIELDS, MetricsSink, Progress, format_mean_
                               truncate_metrics, write_json)
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.plot import save_learning_curve
+from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 from jaxddppo.ppo import (
     PPOHyperparams,
     TrainState,
@@ -652,13 +653,15 @@ def train_experiment(experiment: Experiment, session: Session) -> TrainResult:
     the last update: what a run and a sweep share. The caller writes the results."""
     config, topology, progress = experiment.config, experiment.topology, session.progress
     checkpointer = Checkpointer(session.run_dir, config.checkpoint.keep, config.checkpoint.async_save)
-    try:
-        trained = _train(experiment, session, checkpointer)
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
+    command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
+    with one_line_storage_faults(session.run_dir, checkpointer, experiment.abstract_state,
+                                 f"python -m {command} --resume"):
+        try:
+            trained = _train(experiment, session, checkpointer)
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
     if trained.stopped_by is not None:
-        command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
         progress.message(
             f"stopped{process_label()} by {trained.stopped_by} after update {trained.counters.update} of "
             f"{topology.num_updates}; checkpoint {checkpointer.directory}/{trained.counters.update}; continue with: "
@@ -749,6 +752,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         description="Train PPO (DD-PPO) on every local device. Options are set in a YAML file "
         "(--config) and overridden as section.key=value; --resume continues a run from its newest checkpoint. "
         f"Exit codes: 0 done, 1 failed (non-finite numbers, distributed errors), 2 bad input, "
+        f"{STORAGE_EXIT_CODE} storage error (disk full, permission denied; fix it, then resume), "
         f"{PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved (resume to continue).",
         epilog="configuration keys, set in the YAML file or as section.key=value (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -781,6 +785,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (sharding.DistributedError, sharding.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return STORAGE_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

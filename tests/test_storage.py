@@ -1,11 +1,16 @@
-"""Storage faults: damaged checkpoints are found by their digest and set aside; a resume
-then ends exactly as the run done in one go."""
+"""Storage faults: damaged checkpoints are found by their digest and set aside, and a full,
+read-only or vanished disk ends a run with one line; either way a resume ends exactly as
+the run done in one go."""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -16,6 +21,7 @@ from conftest import flip_a_stored_bit, host_leaves, subprocess_env
 from jaxddppo import checkpoint, outputs, sharding
 from jaxddppo.checkpoint import Checkpointer, CheckpointDamaged
 from jaxddppo.config import from_dict, load_resume_config, to_yaml
+from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import build, run
 
@@ -149,6 +155,135 @@ def test_a_checkpoint_without_a_digest_is_restored_with_a_warning(tmp_path, monk
     assert checkpointer.verify(4, target) == (None, "no digest (unverified)")
     assert "has no digest to verify it by" in checkpointer.newest_intact(target)
     checkpointer.close()
+
+
+# --- full, read-only and vanished disks ----------------------------------------------------------
+
+def failing_save(code: int, at_update: int):
+    """Checkpointer.save that, at `at_update`, leaves a partial step behind and fails as orbax
+    does on a full disk (from its background thread, at the next wait)."""
+    save = Checkpointer.save
+
+    def save_or_fail(self, state, counters):
+        if counters.update != at_update:
+            return save(self, state, counters)
+        os.makedirs(os.path.join(self.directory, f"{at_update}.orbax-checkpoint-tmp", "state"))
+        raise ValueError(f"RESOURCE_EXHAUSTED: Error writing local file \"{self.directory}/{at_update}"
+                         f".orbax-checkpoint-tmp/state/_sharding\": {os.strerror(code)} [os_error_code='{code}']")
+
+    return save_or_fail
+
+
+def test_a_full_disk_while_saving_is_one_error_and_the_resume_is_exact(one_go, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Checkpointer, "save", failing_save(errno.ENOSPC, at_update=8))
+        with pytest.raises(StorageError) as raised:
+            run(small_config(run_dir), devices=jax.devices()[:4])
+    assert str(raised.value) == (
+        f"storage error in {run_dir}: No space left on device (ENOSPC) (checkpoints/8.orbax-checkpoint-tmp/state/"
+        f"_sharding); removed the partial checkpoint 8.orbax-checkpoint-tmp; the newest checkpoint, "
+        f"{run_dir / 'checkpoints' / '4'}, is intact; once fixed, continue with: python -m jaxddppo.train --resume "
+        f"{run_dir}")
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["4"]
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert_same_state(resumed.state, one_go.state)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in rows] == list(range(1, 13))
+
+
+@pytest.mark.parametrize("sink, code", [("MetricsWriter", errno.EROFS), ("MetricsWriter", errno.EACCES),
+                                        ("MetricsWriter", errno.ENOENT), ("TensorBoardWriter", errno.ENOSPC)])
+def test_a_failed_metrics_write_is_one_error(tmp_path, monkeypatch, sink, code):
+    """A read-only, forbidden or vanished run directory met by metrics.jsonl, a full disk met
+    by the TensorBoard events (injected: the tests run as root, whom chmod does not stop)."""
+    run_dir = tmp_path / "run"
+    write_rows = getattr(outputs, sink).write
+
+    def write(self, rows):
+        if rows[0]["update"] > 4:
+            raise OSError(code, os.strerror(code))
+        write_rows(self, rows)
+
+    monkeypatch.setattr(getattr(outputs, sink), "write", write)
+    with pytest.raises(StorageError) as raised:
+        run(small_config(run_dir, run={"tensorboard": sink == "TensorBoardWriter"}), devices=jax.devices()[:1])
+    assert str(raised.value).startswith(
+        f"storage error in {run_dir}: {os.strerror(code)} ({errno.errorcode[code]}); the newest checkpoint, "
+        f"{run_dir / 'checkpoints' / '4'}, is intact; once fixed, continue with: ")
+
+
+def test_storage_fault_reads_errors_of_python_and_of_tensorstore():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/run/metrics.jsonl")
+        except OSError:
+            raise RuntimeError("while closing")
+    except RuntimeError as error:
+        assert storage_fault(error) == (errno.ENOSPC, "/run/metrics.jsonl")
+    message = 'PERMISSION_DENIED: Error writing local file "/r/x": Failed [os_error_code=\'13\']'
+    assert storage_fault(ValueError(message)) == (errno.EACCES, "/r/x")
+    assert storage_fault(ValueError("shapes differ")) is None
+    assert storage_fault(OSError(errno.ECONNREFUSED, "refused")) is None
+
+
+INJECTED_CLI = """
+import errno, sys
+from jaxddppo.checkpoint import Checkpointer
+sys.path.insert(0, sys.argv[1])
+from test_storage import failing_save
+Checkpointer.save = failing_save(errno.ENOSPC, at_update=8)
+from jaxddppo.train import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_command_line_prints_one_line_and_exits_74(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", INJECTED_CLI, str(Path(__file__).parent),
+                             *small_config_file(tmp_path, run_dir)],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == STORAGE_EXIT_CODE == 74, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: storage error in {run_dir}: No space left on device (ENOSPC)") and \
+        last.endswith(f"continue with: python -m jaxddppo.train --resume {run_dir}"), result.stderr
+
+
+@pytest.fixture
+def small_filesystem(one_go):
+    """A tmpfs that holds one and a half of the small run's checkpoints (where root may mount
+    one; skipped elsewhere)."""
+    one_checkpoint = sum(path.stat().st_size for path in (Path(one_go.run_dir) / "checkpoints" / "4").rglob("*")
+                         if path.is_file())
+    mount_point = tempfile.mkdtemp(prefix="jaxddppo-small-fs-")
+    size = f"size={one_checkpoint * 3 // 2 // 1024 + 64}k"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", mount_point], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        os.rmdir(mount_point)
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    yield Path(mount_point)
+    subprocess.run(["umount", mount_point], check=True)
+    os.rmdir(mount_point)
+
+
+def test_a_real_full_disk_is_one_line_and_the_resume_is_exact(one_go, small_filesystem, tmp_path):
+    run_dir = small_filesystem / "run"
+    args = small_config_file(tmp_path, run_dir, checkpoint={"keep": 100})
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.train", *args], env=subprocess_env(4),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == STORAGE_EXIT_CODE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and len(lines) <= 3, lines
+    assert lines[-1].startswith(f"error: storage error in {run_dir}: No space left on device (ENOSPC)"), lines
+    complete = sorted(int(name) for name in os.listdir(run_dir / "checkpoints") if name.isdigit())
+    assert not [name for name in os.listdir(run_dir / "checkpoints") if "tmp" in name]
+    assert f"the newest checkpoint, {run_dir / 'checkpoints' / str(complete[-1])}, is intact" in lines[-1]
+    larger = tmp_path / "run"  # space freed: the run moved to a larger disk
+    shutil.copytree(run_dir, larger)
+    (larger / "config.yaml").write_text((larger / "config.yaml").read_text().replace(str(run_dir), str(larger)))
+    resumed = run(load_resume_config(str(larger)), devices=jax.devices()[:4], resume=True)
+    assert_same_state(resumed.state, one_go.state)
 
 
 # --- sweeps and several processes --------------------------------------------------------------------
