@@ -102,11 +102,11 @@ def _without_thread_faults(previous: Callable[[Any], None]) -> Callable[[Any], N
 def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_state: Callable[[], Any],
                             resume_command: str) -> Iterator[None]:
     """Turn a storage fault raised in the block into a one-line StorageError, after waiting
-    for the saves in flight and removing a partial checkpoint; quiet orbax's logs of it
-    (the closed event loops of its failed writes, writer threads dying of one) meanwhile. The newest intact
-    checkpoint is verified by reading it back in a single-process run (in a multi-process
-    run the other processes may be gone: the newest complete one is named, and a resume
-    verifies it)."""
+    for the saves in flight and removing a partial checkpoint. Meanwhile the fault's echoes
+    are quiet: orbax's logs of it, the closed event loops of its failed writes, writer
+    threads dying of it. The newest intact checkpoint is verified by reading it back in a
+    single-process run (in a multi-process run the other processes may be gone: the newest
+    complete one is named, and a resume verifies it)."""
     logger, quiet = logging.getLogger("absl"), _QuietStorageFaults()
     unraisable_hook, thread_hook = sys.unraisablehook, threading.excepthook
     logger.addFilter(quiet)
