@@ -2,15 +2,21 @@
 
 A checkpoint is `RUN_DIR/checkpoints/<update>/` holding the global `TrainState`
 (every shard's parameters, optimizer state, environment states and keys) and a
-small JSON record of the host-side counters. Orbax writes a step to a temporary
-directory and renames it when complete, so a save killed part-way never looks
-complete; `restore_latest` also skips (and names) any complete-looking step that
-cannot be read, falling back to the one before it.
+small JSON record of the host-side counters, and a digest of both (`sharding.state_digest`
+of the state, a hash of the counters) taken from the arrays in memory. Orbax writes a step
+to a temporary directory and renames it when complete, so a save killed part-way never
+looks complete, and the digest is committed with the data it describes. A restore checks
+the digest; `restore_latest` skips (and names) any complete-looking step that cannot be
+read or fails the check, falling back to the one before it.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -22,12 +28,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxddppo import sharding
+
 CHECKPOINT_SUBDIR = "checkpoints"
 # The layout of the saved state, recorded beside the counters. 2: the optimizer state
 # follows the parameter tree. Checkpoints without it (jaxddppo before format 2 kept the
 # optimizer state over the parameters laid end to end) are refused.
 CHECKPOINT_FORMAT = 2
 _FORMAT_KEY = "checkpoint_format"
+# The digest item of a checkpoint. Checkpoints without one (jaxddppo before digests) are
+# restored with a warning that they are unverified; `verify` reports them as such.
+_DIGEST_ITEM = "digest"
+_TEMPORARY = "*.orbax-checkpoint-tmp*"  # orbax's name for a step being written
 
 
 class CheckpointError(Exception):
@@ -36,6 +48,27 @@ class CheckpointError(Exception):
 
 class CheckpointFormatError(CheckpointError):
     """A checkpoint written in another layout than this version reads; the message is one line."""
+
+
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint that reads back but differs from the digest taken when it was saved."""
+
+
+def _counters_record(counters: RunCounters) -> dict:
+    return {**asdict(counters), _FORMAT_KEY: CHECKPOINT_FORMAT}
+
+
+def _digest(state: Any, counters_record: dict) -> dict:
+    """What a checkpoint records of itself (`state` global, whole; a collective)."""
+    counters_text = json.dumps(counters_record, sort_keys=True).encode()
+    return {"state": sharding.state_digest(state), "counters": hashlib.sha256(counters_text).hexdigest()[:16]}
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process (a collective in a multi-process run)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray([ok], np.int32))))
 
 
 @dataclass(frozen=True)
@@ -110,68 +143,128 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def save(self, state: Any, counters: RunCounters) -> None:
+        """Start saving; the digest is taken first, from the same arrays (a few ms)."""
+        record = _counters_record(counters)
         self._manager.save(
             counters.update,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(_without_empty_leaves(state)),
-                counters=ocp.args.JsonSave({**asdict(counters), _FORMAT_KEY: CHECKPOINT_FORMAT}),
+                counters=ocp.args.JsonSave(record),
+                **{_DIGEST_ITEM: ocp.args.JsonSave(_digest(state, record))},
             ),
             force=True,
         )
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, RunCounters]:
-        """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings)."""
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def restore(self, step: int, abstract_state: Any,
+                report: Callable[[str], None] = lambda message: None) -> tuple[Any, RunCounters]:
+        """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings), checked
+        against its digest: CheckpointDamaged if it differs. A checkpoint without a digest is
+        restored unverified, with a warning to `report`. Every process verifies the same
+        digest of the global state, and reads only if all of them could."""
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
         counters_only = ocp.args.Composite(counters=ocp.args.JsonRestore())
-        counters = dict(self._manager.restore(step, args=counters_only)["counters"])
-        written_format = counters.pop(_FORMAT_KEY, 1)
+        record = dict(self._manager.restore(step, args=counters_only)["counters"])
+        written_format = record.get(_FORMAT_KEY, 1)
         if written_format != CHECKPOINT_FORMAT:
             raise CheckpointFormatError(
-                f"checkpoint {os.path.join(self.directory, str(step))} has format {written_format}, this jaxddppo "
+                f"checkpoint {self.path(step)} has format {written_format}, this jaxddppo "
                 f"reads format {CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
             )
-        restored = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty_leaves(abstract_state)))
-        )
+        has_digest = os.path.isdir(os.path.join(self.path(step), _DIGEST_ITEM))
+        items = {"state": ocp.args.StandardRestore(_without_empty_leaves(abstract_state))}
+        if has_digest:
+            items[_DIGEST_ITEM] = ocp.args.JsonRestore()
+        error = None
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as caught:  # orbax and tensorstore raise many types for damaged files
+            error = caught
+        if not _everywhere(error is None):
+            raise error or CheckpointError(f"checkpoint {self.path(step)} could not be read by another process")
+        state = _with_empty_leaves(restored["state"], abstract_state)
+        if has_digest:
+            recorded, found = dict(restored[_DIGEST_ITEM]), _digest(state, record)
+            differing = [f"{part} digest {found[part]}, {recorded.get(part)} when saved"
+                         for part in found if found[part] != recorded.get(part)]
+            if differing:
+                raise CheckpointDamaged(f"checkpoint {self.path(step)} is damaged: {'; '.join(differing)}")
+        else:
+            report(f"warning: checkpoint {self.path(step)} has no digest (written before jaxddppo recorded "
+                   "them): restored unverified")
+        counters = {key: value for key, value in record.items() if key != _FORMAT_KEY}
         if "final_episode_return" in counters:  # written by a single run before sweeps had checkpoints
             counters["final_episode_returns"] = [counters.pop("final_episode_return")]
         counters["final_episode_returns"] = tuple(counters["final_episode_returns"])
-        return _with_empty_leaves(restored["state"], abstract_state), RunCounters(**counters)
+        return state, RunCounters(**counters)
+
+    def verify(self, step: int, abstract_state: Any) -> tuple[Optional[bool], str]:
+        """(True: intact, False: damaged or unreadable, None: readable but without a digest;
+        a few words that say which). Reads the whole checkpoint; changes nothing."""
+        unverified: list[str] = []
+        try:
+            self.restore(step, abstract_state, unverified.append)
+        except CheckpointFormatError as error:
+            return False, str(error)
+        except CheckpointDamaged:
+            return False, "damaged (its digest differs from the one recorded when it was saved)"
+        except Exception as error:
+            return False, f"unreadable ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
+        return (None, "no digest (unverified)") if unverified else (True, "intact")
+
+    def newest_intact(self, abstract_state: Any) -> str:
+        """A phrase naming the newest checkpoint that verifies (reading them back, newest
+        first), for the message of a run that stopped on an error."""
+        newer = []
+        for step in reversed(self.steps()):
+            intact, verdict = self.verify(step, abstract_state)
+            if intact is None:
+                return f"the newest checkpoint, {self.path(step)}, reads back but has no digest to verify it by"
+            if intact:
+                return (f"the newest intact checkpoint is {self.path(step)} (newer: {', '.join(newer)})" if newer
+                        else f"the newest checkpoint, {self.path(step)}, is intact")
+            newer.append(f"{step} {verdict.split(' (')[0].split(',')[0]}")
+        return f"no checkpoint in {self.directory} is intact" if newer else "no checkpoint had been saved"
 
     def restore_latest(self, abstract_state: Any, report: Callable[[str], None],
                        set_aside: bool = False) -> tuple[Any, RunCounters]:
-        """The newest checkpoint that restores; each unreadable newer one is named via `report`.
+        """The newest checkpoint that restores and matches its digest; each newer one that does
+        not is named via `report`.
 
-        With `set_aside` (a run that will save again), an unreadable step directory is
-        renamed to `<step>.unreadable` (kept for inspection) so that its step can be saved anew.
+        With `set_aside` (a run that will save again), such a step directory is renamed to
+        `<step>.unreadable` or `<step>.damaged` (kept for inspection) so that its step can be
+        saved anew. Every process makes the same choice (`restore` agrees on every step).
         """
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
-        unreadable = []
+        rejected: dict[int, str] = {}
         try:
             for step in reversed(steps):
                 try:
-                    return self.restore(step, abstract_state)
+                    return self.restore(step, abstract_state, report)
                 except CheckpointFormatError:
                     raise
-                except Exception as error:  # orbax and tensorstore raise many types for damaged files
-                    unreadable.append(step)
-                    detail = " ".join(str(error).split())[:160]
-                    moved = f", moved to {step}.unreadable" if set_aside else ""
-                    report(f"checkpoint {os.path.join(self.directory, str(step))} is unreadable, skipped{moved} "
-                           f"({type(error).__name__}: {detail})")
-            raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in {self.directory} can be read")
+                except Exception as error:
+                    damaged = isinstance(error, CheckpointDamaged)
+                    rejected[step] = "damaged" if damaged else "unreadable"
+                    moved = f", moved to {step}.{rejected[step]}" if set_aside else ""
+                    detail = str(error).split(": ", 1)[1] if damaged else \
+                        f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
+                    report(f"warning: checkpoint {self.path(step)} is {rejected[step]}, skipped{moved} ({detail})")
+            raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in {self.directory} is intact "
+                                  "(each is unreadable or damaged)")
         finally:
-            if set_aside and unreadable:
-                self._set_aside(unreadable)
+            if set_aside and rejected:
+                self._set_aside(rejected)
 
-    def _set_aside(self, steps: list[int]) -> None:
+    def _set_aside(self, steps: dict[int, str]) -> None:
         if jax.process_index() == 0:
-            for step in steps:
-                path = os.path.join(self.directory, str(step))
-                os.replace(path, f"{path}.unreadable")
+            for step, suffix in steps.items():
+                os.replace(self.path(step), f"{self.path(step)}.{suffix}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxddppo: unreadable checkpoints set aside")
         self._manager.reload()
@@ -182,6 +275,24 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+    def abandon(self) -> list[str]:
+        """After a failed write: wait for the saves in flight and close, swallowing their errors
+        (the caller reports the first one), then remove partial steps (process 0). Returns the
+        names of the partial steps removed."""
+        for finish in (self.wait, self.close):
+            try:
+                finish()
+            except Exception:  # the same storage error again, or one it caused
+                pass
+        partial = sorted(glob.glob(os.path.join(self.directory, _TEMPORARY))) if jax.process_index() == 0 else []
+        for path in partial:
+            for _ in range(10):  # orbax's writer threads may still be finishing their failed writes
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.exists(path):
+                    break
+                time.sleep(0.1)
+        return [os.path.basename(path) for path in partial if not os.path.exists(path)]
 
 
 class SaveSchedule:

@@ -5,20 +5,18 @@ holds the same parameters (`check_replicas`).
 
 from __future__ import annotations
 
-import functools
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxddppo import cpu_tuning
 from jaxddppo.config import Config, DistributedConfig
-from jaxddppo.sharding import is_population, per_shard, shard_parallel
+from jaxddppo.sharding import is_population, shard_checksums
 
 
 def broadcast_text(text: str, max_bytes: int = 4096) -> str:
@@ -108,24 +106,10 @@ class ReplicaDivergence(RuntimeError):
     """Shards hold different parameters; the message is one line."""
 
 
-def _bit_checksum(tree: Any) -> jax.Array:
-    """A wrapping sum of the raw bits of every leaf: any changed bit changes it (barring collisions)."""
-    total = jnp.zeros((), jnp.uint32)
-    for leaf in jax.tree.leaves(tree):
-        bits = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
-        total = total + jnp.sum(bits, dtype=jnp.uint32)
-    return total
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_checksum(mesh: Mesh) -> Callable:
-    return shard_parallel(per_shard(_bit_checksum), mesh)
-
-
 def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
     """Raise ReplicaDivergence unless, within every member, every shard on every process
     holds bitwise the same params."""
-    checksums = np.asarray(multihost_utils.process_allgather(_compiled_checksum(mesh)(params), tiled=True))
+    checksums = shard_checksums(params, mesh)
     population = is_population(mesh)
     for member, row in enumerate(checksums.reshape(-1, checksums.shape[-1])):
         _raise_on_divergence(row, after_update, f" of member {member}" if population else "")

@@ -1,26 +1,31 @@
 """Evaluate a trained run: `python -m jaxddppo.evaluate RUN_DIR [--episodes N] [--seed S]`.
 
-Loads the newest readable checkpoint (or `--checkpoint STEP`), runs N episodes
+Loads the newest intact checkpoint (or `--checkpoint STEP`), runs N episodes
 with the deterministic policy on device, and prints the return and length
 statistics. With the defaults (the run's `eval.num_episodes` and its evaluation
 key) it reproduces the run's own final evaluation in summary.json.
+
+`--verify` instead reads back every checkpoint of a run or a sweep and checks it
+against its digest: one line each, exit 0 only when the newest is intact.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
 import jax
 import numpy as np
 
-from jaxddppo.checkpoint import CheckpointError
+from jaxddppo.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import ConfigError
+from jaxddppo.config import ConfigError, load_resume_config
 from jaxddppo.eval_episodes import EvalResult, evaluate_policy
-from jaxddppo.experiment import final_eval_key
+from jaxddppo.experiment import build, final_eval_key
 from jaxddppo.policy import Policy, load_policy
+from jaxddppo.population import SPEC_FILE, build_population, read_spec
 
 
 def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[int] = None) -> EvalResult:
@@ -45,6 +50,31 @@ def statistics(result: EvalResult) -> dict:
     return stats
 
 
+def verify(run_dir: str) -> int:
+    """Print every checkpoint of `run_dir` (a run's or a sweep's) with its verdict; set-aside
+    ones are listed too. 0 when the newest is intact, 1 otherwise."""
+    config, devices = load_resume_config(run_dir), jax.local_devices()[:1]
+    if os.path.exists(os.path.join(run_dir, SPEC_FILE)):
+        spec = read_spec(run_dir)
+        experiment = build_population(config, spec.grid, spec.seeds, None, devices)
+    else:
+        experiment = build(config, devices)
+    checkpointer = Checkpointer(run_dir, read_only=True)
+    try:
+        steps, target = checkpointer.steps(), experiment.abstract_state()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {checkpointer.directory}")
+        verdicts = [(step, *checkpointer.verify(step, target)) for step in steps]
+    finally:
+        checkpointer.close()
+    for step, _, verdict in verdicts:
+        print(f"{checkpointer.path(step)}: {verdict}")
+    for name in sorted(os.listdir(checkpointer.directory)):
+        if name.endswith((".damaged", ".unreadable")):
+            print(f"{os.path.join(checkpointer.directory, name)}: set aside by a resume")
+    return 0 if verdicts[-1][1] else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(prog="python -m jaxddppo.evaluate",
                             description="Evaluate the deterministic policy of a run's checkpoint.")
@@ -53,10 +83,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, help="evaluation seed (default: the key of the run's final evaluation)")
     parser.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint to load (default: the newest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--verify", action="store_true",
+                        help="evaluate nothing: check every checkpoint against its digest, one line each; exit 0 "
+                        "only when the newest is intact, 1 otherwise")
     args = parser.parse_args(argv)
     if args.episodes is not None and args.episodes < 1:
         parser.error(f"--episodes={args.episodes} must be at least 1")
     try:
+        if args.verify:
+            return verify(args.run_dir)
         policy = load_policy(args.run_dir, args.checkpoint, report=lambda message: print(message, file=sys.stderr))
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -29,6 +29,7 @@ from jaxddppo.experiment import Experiment, Programs, compile_programs, update_c
 from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics
 from jaxddppo.ppo import TrainState, UpdateMetrics
 from jaxddppo.run_dir import shared_run_dir, write_config
+from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ def fresh_counters(num_members: int) -> RunCounters:
 
 def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str,
                 progress: Progress) -> tuple[Optional[TrainState], RunCounters]:
-    """The newest readable checkpoint, and metrics.jsonl cut back to its update (process 0).
+    """The newest intact checkpoint, and metrics.jsonl cut back to its update (process 0).
     Reads nothing but the checkpoint (no program is compiled), so a checkpoint that cannot
     be resumed is refused at once.
 
@@ -327,13 +328,15 @@ def train_experiment(experiment: Experiment, session: Session) -> TrainResult:
     the last update: what a run and a sweep share. The caller writes the results."""
     config, topology, progress = experiment.config, experiment.topology, session.progress
     checkpointer = Checkpointer(session.run_dir, config.checkpoint.keep, config.checkpoint.async_save)
-    try:
-        trained = _train(experiment, session, checkpointer)
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
+    command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
+    with one_line_storage_faults(session.run_dir, checkpointer, experiment.abstract_state,
+                                 f"python -m {command} --resume"):
+        try:
+            trained = _train(experiment, session, checkpointer)
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
     if trained.stopped_by is not None:
-        command = "jaxddppo.sweep" if experiment.is_sweep else "jaxddppo.train"
         progress.message(
             f"stopped{process_label()} by {trained.stopped_by} after update {trained.counters.update} of "
             f"{topology.num_updates}; checkpoint {checkpointer.directory}/{trained.counters.update}; continue with: "
@@ -366,10 +369,8 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
                                 LoopOutputs(writer, session.progress, checkpointer, signals))
     except NonFiniteError as error:
         checkpointer.wait()
-        newest = checkpointer.latest_step()
-        kept = f"the newest checkpoint, {checkpointer.directory}/{newest}, is intact" if newest is not None \
-            else "no checkpoint had been saved"
-        raise NonFiniteError(f"{error}; stopped without saving it; {kept}") from None
+        raise NonFiniteError(f"{error}; stopped without saving it; "
+                             f"{checkpointer.newest_intact(experiment.abstract_state())}") from None
     finally:
         if writer is not None:
             writer.close()
@@ -384,8 +385,8 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
 def command_exit_code(command: Callable[[], TrainResult]) -> int:
     """Run a command line's work (a run or a sweep) and give its exit code: 0 done,
     PREEMPTED_EXIT_CODE stopped by a signal with a checkpoint, 2 bad input (config,
-    checkpoint), 1 failed (non-finite numbers, distributed errors), 130 interrupted; every
-    error is one line on stderr."""
+    checkpoint), 1 failed (non-finite numbers, distributed errors), STORAGE_EXIT_CODE a
+    storage fault, 130 interrupted; every error is one line on stderr."""
     try:
         result = command()
     except (ConfigError, CheckpointError) as error:
@@ -394,6 +395,9 @@ def command_exit_code(command: Callable[[], TrainResult]) -> int:
     except (distributed.DistributedError, distributed.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except StorageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return STORAGE_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -83,11 +83,12 @@ class Policy:
 
 def load_policy(run_dir: str, step: Optional[int] = None,
                 report: Callable[[str], None] = warnings.warn) -> Policy:
-    """The policy of `run_dir`'s newest readable checkpoint (or of checkpoint `step`).
+    """The policy of `run_dir`'s newest intact checkpoint (or of checkpoint `step`).
 
     Works on any number of devices: the run's shards are restored onto one local device.
-    Raises ConfigError or CheckpointError (one-line messages) for a bad directory;
-    unreadable newer checkpoints that were skipped are passed to `report`.
+    Raises ConfigError or CheckpointError (one-line messages) for a bad directory or a
+    damaged `step`; unreadable or damaged newer checkpoints that were skipped, and a
+    checkpoint without a digest, are passed to `report`.
     """
     config = load_resume_config(run_dir)
     experiment = build(config, devices=jax.local_devices()[:1])
@@ -97,7 +98,7 @@ def load_policy(run_dir: str, step: Optional[int] = None,
         if step is None:
             state, counters = checkpointer.restore_latest(target, report)
         else:
-            state, counters = checkpointer.restore(step, target)
+            state, counters = checkpointer.restore(step, target, report)
     finally:
         checkpointer.close()
     return Policy(config=config, env=experiment.env, network=experiment.network,

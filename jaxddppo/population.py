@@ -1,5 +1,6 @@
 """A sweep's population: the members of a grid of hyperparameters x seeds (`expand_members`)
-and their experiment on a (member, device) mesh (`build_population`). Structural keys
+and their experiment on a (member, device) mesh (`build_population`), and the spec that
+rebuilds them on a resume (sweep.json, `SweepSpec`). Structural keys
 (anything that changes array shapes or the compiled program) are refused in a grid: run one
 sweep per value.
 """
@@ -7,7 +8,9 @@ sweep per value.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import json
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -18,9 +21,13 @@ from jaxddppo.experiment import Experiment, Member, assemble
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.topology import make_topology, place_population
 
+SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
+
 # Keys a grid may vary: the traced float hyperparameters, and the seed.
 SWEEPABLE_KEYS: tuple[str, ...] = tuple(f"ppo.{name}" for name in PPOHyperparams.__dataclass_fields__)
 SEED_KEY = "train.seed"
+
+
 def _config_value(config: Config, key: str) -> Any:
     section, leaf = key.split(".")
     return getattr(getattr(config, section), leaf)
@@ -115,3 +122,24 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
             raise ConfigError(f"override '{item}' has an empty value in its list")
         grid[key] = items
     return plain, grid
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What makes a population out of a base config, kept in the run dir (sweep.json) for a resume."""
+
+    grid: dict[str, list[Any]]
+    seeds: Optional[int] = None
+    member_devices: Optional[int] = None
+
+
+def read_spec(run_dir: str) -> SweepSpec:
+    """The grid, seeds and member devices of the sweep in `run_dir`; ConfigError if it has none."""
+    try:
+        with open(os.path.join(run_dir, SPEC_FILE)) as handle:
+            return SweepSpec(**json.load(handle))
+    except FileNotFoundError:
+        raise ConfigError(f"{run_dir} has no {SPEC_FILE}: not a sweep's run directory "
+                          "(resume a single run with python -m jaxddppo.train --resume)") from None
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"{os.path.join(run_dir, SPEC_FILE)} is unreadable: {error}") from None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -41,9 +40,18 @@ from jaxddppo.experiment import Experiment
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
 from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
-from jaxddppo.population import SEED_KEY, SWEEPABLE_KEYS, build_population, expand_members, split_overrides, swept_keys
-
-SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
+from jaxddppo.population import (
+    SEED_KEY,
+    SPEC_FILE,
+    SWEEPABLE_KEYS,
+    SweepSpec,
+    build_population,
+    expand_members,
+    read_spec,
+    split_overrides,
+    swept_keys,
+)
+from jaxddppo.storage import STORAGE_EXIT_CODE
 
 # Every column of sweep.csv besides the swept keys (which follow `seed`), with its meaning.
 SWEEP_CSV_FIELDS: dict[str, str] = {
@@ -210,27 +218,6 @@ def save_curves(population: Experiment, run_dir: str) -> None:
                os.path.join(run_dir, SWEEP_CURVES_FILE))
 
 
-@dataclass(frozen=True)
-class SweepSpec:
-    """What makes a population out of a base config, kept in the run dir (sweep.json) for a resume."""
-
-    grid: dict[str, list[Any]]
-    seeds: Optional[int] = None
-    member_devices: Optional[int] = None
-
-
-def read_spec(run_dir: str) -> SweepSpec:
-    """The grid, seeds and member devices of the sweep in `run_dir`; ConfigError if it has none."""
-    try:
-        with open(os.path.join(run_dir, SPEC_FILE)) as handle:
-            return SweepSpec(**json.load(handle))
-    except FileNotFoundError:
-        raise ConfigError(f"{run_dir} has no {SPEC_FILE}: not a sweep's run directory "
-                          "(resume a single run with python -m jaxddppo.train --resume)") from None
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"{os.path.join(run_dir, SPEC_FILE)} is unreadable: {error}") from None
-
-
 def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,
               seeds: Optional[int] = None, member_devices: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
@@ -311,7 +298,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         f"config of every member. Sweepable keys: {', '.join(SWEEPABLE_KEYS)}, {SEED_KEY}. Results: "
         "sweep.csv, metrics.jsonl (with a member column), curves.png, summary.json, checkpoints/ in run.dir; "
         "--resume continues a sweep from its newest checkpoint. Exit codes: 0 done, 1 failed (non-finite numbers, "
-        f"distributed errors), 2 bad input, {PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved.",
+        f"distributed errors), 2 bad input, {STORAGE_EXIT_CODE} storage error (fix it, then resume), "
+        f"{PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved.",
         epilog="configuration keys (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

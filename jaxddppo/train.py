@@ -21,6 +21,7 @@ from jaxddppo.experiment import build
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, summarise, train_experiment
 from jaxddppo.outputs import format_mean_std, write_json
 from jaxddppo.plot import save_learning_curve
+from jaxddppo.storage import STORAGE_EXIT_CODE
 
 
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
@@ -30,7 +31,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     events if asked) to the run dir.
 
     With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
-    its newest readable checkpoint is restored and training continues from it.
+    its newest intact checkpoint is restored and training continues from it.
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
     """
@@ -68,6 +69,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         description="Train PPO (DD-PPO) on every local device. Options are set in a YAML file "
         "(--config) and overridden as section.key=value; --resume continues a run from its newest checkpoint. "
         f"Exit codes: 0 done, 1 failed (non-finite numbers, distributed errors), 2 bad input, "
+        f"{STORAGE_EXIT_CODE} storage error (disk full, permission denied; fix it, then resume), "
         f"{PREEMPTED_EXIT_CODE} stopped by SIGTERM/SIGINT with a checkpoint saved (resume to continue).",
         epilog="configuration keys, set in the YAML file or as section.key=value (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -82,6 +82,18 @@ def host_leaves(tree) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree.leaves(all_shards(jax.tree.map(raw, tree)))]
 
 
+def flip_a_stored_bit(step_dir: Path) -> Path:
+    """Flip one bit in the middle of the largest data file of a checkpoint
+    (`state/ocdbt.process_*/d/*`: raw array bytes, no checksum of their own), as a bad disk
+    or a torn copy does: the checkpoint still reads back, with one number changed.
+    Returns the file changed."""
+    path = max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda path: path.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -217,7 +217,8 @@ def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines[-1] == f"error: none of the 1 checkpoint(s) in {run_dir / 'checkpoints'} can be read", lines
+    assert lines[-1] == (f"error: none of the 1 checkpoint(s) in {run_dir / 'checkpoints'} is intact "
+                         "(each is unreadable or damaged)"), lines
     assert "is unreadable, skipped" in lines[0] and "Traceback" not in result.stderr
 
 

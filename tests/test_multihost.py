@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import flip_a_stored_bit, subprocess_env
 
 from jaxddppo import distributed, sharding
 from jaxddppo.config import load_config
@@ -207,3 +207,22 @@ def test_sigterm_to_one_process_stops_both_at_the_same_update_and_they_resume(tm
     logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], logs
     assert [json.loads(line)["update"] for line in metrics.read_text().splitlines()] == list(range(1, stops[0] + 3))
+
+
+def test_both_processes_set_aside_a_damaged_checkpoint_and_resume_from_the_same_one(tmp_path):
+    """Every process verifies the digest of the global state and all restore the same
+    checkpoint; the resumed run ends where the run before the damage ended."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL_RUN, f"run.dir={run_dir}", "run.cpu_devices=2", "train.updates_per_chunk=4",
+            "checkpoint.every_updates=4"]
+    assert wait_all(start_workers(args, free_port(), tmp_path)) == [0, 0]
+    before = json.loads((run_dir / "summary.json").read_text())
+    flip_a_stored_bit(run_dir / "checkpoints" / "8")
+
+    codes = wait_all(start_workers(["--resume", str(run_dir)], free_port(), tmp_path))
+    logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], logs
+    for log in logs:
+        assert f"checkpoint {run_dir / 'checkpoints' / '8'} is damaged, skipped, moved to 8.damaged" in log, log
+        assert f"resumed from {run_dir / 'checkpoints'}/4: update 4 of 8" in log, log
+    assert json.loads((run_dir / "summary.json").read_text())["params_digest"] == before["params_digest"]

@@ -1,0 +1,315 @@
+"""Storage faults: damaged checkpoints are found by their digest and set aside, and a full,
+read-only or vanished disk ends a run with one line; either way a resume ends exactly as
+the run done in one go."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import flip_a_stored_bit, host_leaves, subprocess_env
+
+from jaxddppo import checkpoint, outputs, sharding
+from jaxddppo.checkpoint import CheckpointDamaged, Checkpointer
+from jaxddppo.config import from_dict, load_resume_config, to_yaml
+from jaxddppo.experiment import build
+from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
+from jaxddppo.sweep import resume_sweep, run_sweep
+from jaxddppo.train import run
+
+# As tests/test_checkpoint.py: 12 updates of 128 env steps, chunks of 4, a checkpoint every 4.
+SMALL = {
+    "env": {"num_envs": 8, "normalize_observations": True, "scale_rewards": True},
+    "ppo": {"num_steps": 16},
+    "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
+    "checkpoint": {"every_updates": 4},
+    "eval": {"num_episodes": 4},
+    "run": {"progress": False},
+}
+
+
+def small_config(run_dir: Path, **sections: dict):
+    values = {name: {**section, **sections.get(name, {})} for name, section in SMALL.items()}
+    values["run"]["dir"] = str(run_dir)
+    return from_dict(values)
+
+
+def small_config_file(directory: Path, run_dir: Path, **sections: dict) -> list[str]:
+    """The command-line arguments of `small_config`: a YAML file and run.dir."""
+    path = directory / "small.yaml"
+    path.write_text(to_yaml(small_config(run_dir, **sections)))
+    return ["--config", str(path), f"run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def one_go(tmp_path_factory):
+    return run(small_config(tmp_path_factory.mktemp("one_go") / "run"), devices=jax.devices()[:4])
+
+
+def assert_same_state(got, want) -> None:
+    for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):
+        np.testing.assert_array_equal(got_leaf, want_leaf)
+
+
+def test_digest_sees_every_changed_bit_and_no_placement(one_go):
+    """The digest changes with one bit anywhere (a key, a counter, an env state, a parameter),
+    and not with the device count holding the same shards."""
+    state = one_go.state
+    digest = sharding.state_digest(state)
+    on_one_device = build(load_resume_config(one_go.run_dir), devices=jax.devices()[:1]).abstract_state()
+    moved = jax.tree.map(lambda leaf, target: jax.device_put(leaf, target.sharding), state, on_one_device)
+    assert sharding.state_digest(moved) == digest
+    leaves, treedef = jax.tree.flatten(state)
+    key_leaf = next(i for i, leaf in enumerate(leaves) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
+    for index in (0, key_leaf, len(leaves) // 2, len(leaves) - 1):
+        raw = np.array(jax.random.key_data(leaves[index]) if jax.dtypes.issubdtype(
+            leaves[index].dtype, jax.dtypes.prng_key) else leaves[index])
+        flat = raw.view(np.uint8).reshape(-1)
+        flat[flat.size // 2] ^= 1
+        changed = jax.device_put(raw, leaves[index].sharding)
+        if jax.dtypes.issubdtype(leaves[index].dtype, jax.dtypes.prng_key):
+            changed = jax.random.wrap_key_data(changed)
+        tree = jax.tree.unflatten(treedef, [*leaves[:index], changed, *leaves[index + 1:]])
+        assert sharding.state_digest(tree) != digest, index
+
+
+def messages(monkeypatch) -> list[str]:
+    """Every progress message of the runs that follow (the warnings among them)."""
+    shown, message = [], outputs.Progress.message
+    monkeypatch.setattr(outputs.Progress, "message", lambda self, text: (shown.append(text), message(self, text)))
+    return shown
+
+
+def test_a_flipped_bit_is_set_aside_and_the_resume_is_exact(one_go, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=8)
+    flip_a_stored_bit(run_dir / "checkpoints" / "8")
+    checkpointer = Checkpointer(str(run_dir), read_only=True)
+    target = build(load_resume_config(str(run_dir)), devices=jax.devices()[:4]).abstract_state()
+    with monkeypatch.context() as patch:  # orbax alone reads it back without a word
+        patch.setattr(checkpoint, "_DIGEST_ITEM", "not_the_digest")
+        checkpointer.restore(8, target)
+    with pytest.raises(CheckpointDamaged, match=r"/checkpoints/8 is damaged: state digest [0-9a-f]{16}, "):
+        checkpointer.restore(8, target)
+    assert checkpointer.verify(8, target)[0] is False and checkpointer.verify(4, target) == (True, "intact")
+    checkpointer.close()
+    lines = messages(monkeypatch)
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert lines[1].startswith(f"warning: checkpoint {run_dir / 'checkpoints' / '8'} is damaged, skipped, "
+                               "moved to 8.damaged (state digest "), lines
+    assert lines[2].startswith(f"resumed from {run_dir / 'checkpoints'}/4: update 4 of 12"), lines
+    assert (run_dir / "checkpoints" / "8.damaged").is_dir()
+    assert_same_state(resumed.state, one_go.state)
+    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
+
+
+def verify_command(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", str(run_dir), "--verify"],
+                          env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+
+
+def test_verify_lists_every_checkpoint_and_fails_on_a_damaged_newest(one_go, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_go.run_dir, run_dir)
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(one_go.run_dir, str(run_dir)))
+    result = verify_command(run_dir)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout.splitlines() == [f"{run_dir / 'checkpoints' / str(step)}: intact" for step in (4, 8, 12)]
+    flip_a_stored_bit(run_dir / "checkpoints" / "12")
+    result = verify_command(run_dir)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines()[1:] == [
+        f"{run_dir / 'checkpoints' / '8'}: intact",
+        f"{run_dir / 'checkpoints' / '12'}: damaged (its digest differs from the one recorded when it was saved)"]
+
+
+def save_without_digest(self, state, counters):
+    """Checkpointer.save as jaxddppo wrote checkpoints before digests."""
+    ocp = checkpoint.ocp
+    self._manager.save(counters.update, force=True, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(checkpoint._without_empty_leaves(state)),
+        counters=ocp.args.JsonSave(checkpoint._counters_record(counters))))
+
+
+def test_a_checkpoint_without_a_digest_is_restored_with_a_warning(tmp_path, monkeypatch):
+    """Checkpoints of jaxddppo before digests: restored, named unverified, never called intact."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Checkpointer, "save", save_without_digest)
+        run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:1])
+    assert not (run_dir / "checkpoints" / "4" / "digest").exists()
+    target = build(load_resume_config(str(run_dir)), devices=jax.devices()[:1]).abstract_state()
+    checkpointer, warnings = Checkpointer(str(run_dir), read_only=True), []
+    _, counters = checkpointer.restore_latest(target, warnings.append)
+    assert counters.update == 4 and warnings == [
+        f"warning: checkpoint {run_dir / 'checkpoints' / '4'} has no digest (written before jaxddppo recorded them): "
+        "restored unverified"]
+    assert checkpointer.verify(4, target) == (None, "no digest (unverified)")
+    assert "has no digest to verify it by" in checkpointer.newest_intact(target)
+    checkpointer.close()
+
+
+# --- full, read-only and vanished disks ----------------------------------------------------------
+
+def failing_save(code: int, at_update: int):
+    """Checkpointer.save that, at `at_update`, leaves a partial step behind and fails as orbax
+    does on a full disk (from its background thread, at the next wait)."""
+    save = Checkpointer.save
+
+    def save_or_fail(self, state, counters):
+        if counters.update != at_update:
+            return save(self, state, counters)
+        os.makedirs(os.path.join(self.directory, f"{at_update}.orbax-checkpoint-tmp", "state"))
+        raise ValueError(f"RESOURCE_EXHAUSTED: Error writing local file \"{self.directory}/{at_update}"
+                         f".orbax-checkpoint-tmp/state/_sharding\": {os.strerror(code)} [os_error_code='{code}']")
+
+    return save_or_fail
+
+
+def test_a_full_disk_while_saving_is_one_error_and_the_resume_is_exact(one_go, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Checkpointer, "save", failing_save(errno.ENOSPC, at_update=8))
+        with pytest.raises(StorageError) as raised:
+            run(small_config(run_dir), devices=jax.devices()[:4])
+    assert str(raised.value) == (
+        f"storage error in {run_dir}: No space left on device (ENOSPC) (checkpoints/8.orbax-checkpoint-tmp/state/"
+        f"_sharding); removed the partial checkpoint 8.orbax-checkpoint-tmp; the newest checkpoint, "
+        f"{run_dir / 'checkpoints' / '4'}, is intact; once fixed, continue with: python -m jaxddppo.train --resume "
+        f"{run_dir}")
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["4"]
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert_same_state(resumed.state, one_go.state)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["update"] for row in rows] == list(range(1, 13))
+
+
+@pytest.mark.parametrize("sink, code", [("MetricsWriter", errno.EROFS), ("MetricsWriter", errno.EACCES),
+                                        ("MetricsWriter", errno.ENOENT), ("TensorBoardWriter", errno.ENOSPC)])
+def test_a_failed_metrics_write_is_one_error(tmp_path, monkeypatch, sink, code):
+    """A read-only, forbidden or vanished run directory met by metrics.jsonl, a full disk met
+    by the TensorBoard events (injected: the tests run as root, whom chmod does not stop)."""
+    run_dir = tmp_path / "run"
+    write_rows = getattr(outputs, sink).write
+
+    def write(self, rows):
+        if rows[0]["update"] > 4:
+            raise OSError(code, os.strerror(code))
+        write_rows(self, rows)
+
+    monkeypatch.setattr(getattr(outputs, sink), "write", write)
+    with pytest.raises(StorageError) as raised:
+        run(small_config(run_dir, run={"tensorboard": sink == "TensorBoardWriter"}), devices=jax.devices()[:1])
+    assert str(raised.value).startswith(
+        f"storage error in {run_dir}: {os.strerror(code)} ({errno.errorcode[code]}); the newest checkpoint, "
+        f"{run_dir / 'checkpoints' / '4'}, is intact; once fixed, continue with: ")
+
+
+def test_storage_fault_reads_errors_of_python_and_of_tensorstore():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/run/metrics.jsonl")
+        except OSError:
+            raise RuntimeError("while closing")
+    except RuntimeError as error:
+        assert storage_fault(error) == (errno.ENOSPC, "/run/metrics.jsonl")
+    message = 'PERMISSION_DENIED: Error writing local file "/r/x": Failed [os_error_code=\'13\']'
+    assert storage_fault(ValueError(message)) == (errno.EACCES, "/r/x")
+    assert storage_fault(ValueError("shapes differ")) is None
+    assert storage_fault(OSError(errno.ECONNREFUSED, "refused")) is None
+
+
+INJECTED_CLI = """
+import errno, sys
+from jaxddppo.checkpoint import Checkpointer
+sys.path.insert(0, sys.argv[1])
+from test_storage import failing_save
+Checkpointer.save = failing_save(errno.ENOSPC, at_update=8)
+from jaxddppo.train import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_the_command_line_prints_one_line_and_exits_74(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", INJECTED_CLI, str(Path(__file__).parent),
+                             *small_config_file(tmp_path, run_dir)],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == STORAGE_EXIT_CODE == 74, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: storage error in {run_dir}: No space left on device (ENOSPC)") and \
+        last.endswith(f"continue with: python -m jaxddppo.train --resume {run_dir}"), result.stderr
+
+
+@pytest.fixture
+def small_filesystem(one_go):
+    """A tmpfs that holds one and a half of the small run's checkpoints (where root may mount
+    one; skipped elsewhere)."""
+    one_checkpoint = sum(path.stat().st_size for path in (Path(one_go.run_dir) / "checkpoints" / "4").rglob("*")
+                         if path.is_file())
+    mount_point = tempfile.mkdtemp(prefix="jaxddppo-small-fs-")
+    size = f"size={one_checkpoint * 3 // 2 // 1024 + 64}k"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", mount_point], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        os.rmdir(mount_point)
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    yield Path(mount_point)
+    subprocess.run(["umount", mount_point], check=True)
+    os.rmdir(mount_point)
+
+
+def test_a_real_full_disk_is_one_line_and_the_resume_is_exact(one_go, small_filesystem, tmp_path):
+    run_dir = small_filesystem / "run"
+    args = small_config_file(tmp_path, run_dir, checkpoint={"keep": 100})
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.train", *args], env=subprocess_env(4),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == STORAGE_EXIT_CODE, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and len(lines) <= 3, lines
+    assert lines[-1].startswith(f"error: storage error in {run_dir}: No space left on device (ENOSPC)"), lines
+    complete = sorted(int(name) for name in os.listdir(run_dir / "checkpoints") if name.isdigit())
+    assert not [name for name in os.listdir(run_dir / "checkpoints") if "tmp" in name]
+    assert f"the newest checkpoint, {run_dir / 'checkpoints' / str(complete[-1])}, is intact" in lines[-1]
+    larger = tmp_path / "run"  # space freed: the run moved to a larger disk
+    shutil.copytree(run_dir, larger)
+    (larger / "config.yaml").write_text((larger / "config.yaml").read_text().replace(str(run_dir), str(larger)))
+    resumed = run(load_resume_config(str(larger)), devices=jax.devices()[:4], resume=True)
+    assert_same_state(resumed.state, one_go.state)
+
+
+# --- sweeps and several processes --------------------------------------------------------------------
+
+def test_a_damaged_sweep_checkpoint_is_found_and_set_aside(tmp_path, monkeypatch):
+    """The digest covers every member (one bit of member 1's parameters changes it); a
+    damaged checkpoint of a sweep is listed by --verify and set aside by the resume."""
+    run_dir = tmp_path / "sweep"
+    config = small_config(run_dir, train={"total_env_steps": 8 * 128, "num_shards": 2})
+    done = run_sweep(config, seeds=2, devices=jax.devices()[:2])
+    leaves, treedef = jax.tree.flatten(done.state)
+    changed = np.array(leaves[0])
+    changed[1, 1].reshape(-1)[0] = np.nextafter(changed[1, 1].reshape(-1)[0], np.float32(np.inf))
+    leaves[0] = jax.device_put(changed, leaves[0].sharding)
+    assert sharding.state_digest(jax.tree.unflatten(treedef, leaves)) != sharding.state_digest(done.state)
+
+    flip_a_stored_bit(run_dir / "checkpoints" / "8")
+    result = verify_command(run_dir)
+    assert result.returncode == 1 and result.stdout.splitlines() == [
+        f"{run_dir / 'checkpoints' / '4'}: intact",
+        f"{run_dir / 'checkpoints' / '8'}: damaged (its digest differs from the one recorded when it was saved)",
+    ], result.stdout + result.stderr
+    lines = messages(monkeypatch)
+    resumed = resume_sweep(str(run_dir), devices=jax.devices()[:2])
+    assert resumed.counters.update == 8 and (run_dir / "checkpoints" / "8.damaged").is_dir()
+    assert lines[1].startswith(f"warning: checkpoint {run_dir / 'checkpoints' / '8'} is damaged, skipped"), lines
+    assert lines[2].startswith(f"resumed from {run_dir / 'checkpoints'}/4"), lines
+    assert_same_state(resumed.state, done.state)
