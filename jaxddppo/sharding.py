@@ -333,15 +333,27 @@ def _over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batc
     return mapped
 
 
+# jaxlib 0.11.2 (0.11.1 and earlier are fine; jax pins jaxlib to its own release) crashes the
+# process with a segmentation fault while compiling a jit(shard_map(f)) over two or more devices
+# whose `f` closes over a zero-sized constant: JAX passes the constant into the body as an operand
+# of Shardy's manual computation, and Shardy's canonicalisation (ManualComputationUnusedInputsPattern)
+# dies on it. JAX's own indexing makes such constants (`x.at[:, :].set(y)` scatters with int32[0]
+# indices, as xminigrid's resets do). Inside an inner `jax.jit` the constants stay out of the
+# operands. tests/test_sharding.py runs the bare program in a subprocess and fails once a release
+# in this range compiles it: then bound the range by that release.
+_ZERO_SIZED_CONSTANT_CRASH = jax.__version_info__ >= (0, 11, 2)
+
+
 def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate_argnums: tuple[int, ...],
                    shared_argnums: tuple[int, ...] = ()) -> Callable:
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
     # P() for some outputs, and feeding them back in would recompile.
     out_shardings = NamedSharding(mesh, spec)
+    body = jax.jit(per_device) if _ZERO_SIZED_CONSTANT_CRASH else per_device
 
     def over_mesh(*args: Any) -> Any:
         in_specs = tuple(PartitionSpec() if index in shared_argnums else spec for index in range(len(args)))
-        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
 
     over_mesh.__name__ = per_device.__name__
     return jax.jit(over_mesh, out_shardings=out_shardings, donate_argnums=donate_argnums)
