@@ -369,8 +369,9 @@ def _without_zero_sized_operands(per_device: Callable, mesh: Mesh, in_specs: tup
     def mapped(*args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
         leaf_specs = [arg_spec for arg, arg_spec in zip(args, in_specs) for _ in jax.tree.leaves(arg)]
-        made_inside = [(NamedSharding(mesh, leaf_spec).shard_shape(leaf.shape), leaf.dtype) if leaf.size == 0 else None
-                 for leaf, leaf_spec in zip(leaves, leaf_specs)]
+        # (per-device shape, dtype) of each zero-sized leaf, None for the leaves passed in
+        made_inside = [(NamedSharding(mesh, leaf_spec).shard_shape(leaf.shape), leaf.dtype) if leaf.size == 0
+                       else None for leaf, leaf_spec in zip(leaves, leaf_specs)]
 
         def body(*passed: Any) -> Any:
             remaining = iter(passed)
