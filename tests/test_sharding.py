@@ -8,6 +8,8 @@
 - run.cpu_devices cannot change the device count once JAX has started, and says so.
 - Programs that run once compile for speed of compiling, with the same results; the
   seed is an argument of the programs, so every seed shares them.
+- Zero-sized arrays in a shard_map's body compile on two devices, which jaxlib 0.11.2
+  does not do by itself (its bare reproducers run in subprocesses).
 """
 
 import json
