@@ -45,6 +45,9 @@ CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # A block with 64-bit types on: jax.enable_x64 in newer JAX, jax.experimental.enable_x64 in older.
 _SIXTY_FOUR_BITS = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
 
+# jaxlib 0.11.1 refuses the compile option `xla_cpu_use_fusion_emitters` ("No such compile option").
+_HAS_OLDER_KERNEL_EMITTER = jax.__version_info__ < (0, 11, 1)
+
 # JAX's criterion for the random bits a shuffle needs: 3 x log2(n), so that ties are rare.
 _BITS_PER_ELEMENT_FACTOR = 3
 
@@ -148,12 +151,14 @@ def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
     """`Lowered.compile` options for a program on `platform` (a device's `.platform`):
     on CPU, XLA's backend optimisation level 2 for a program that runs many times (XLA's
     default is 3), and for one that runs once level 0 with XLA's older kernel emitter, which
-    compiles small kernels faster than its fusion emitters; none elsewhere (XLA's GPU
-    backend refuses level 0)."""
+    compiles small kernels faster than its fusion emitters (jaxlib 0.11.1 removed the
+    option, and XLA's CPU backend has only the fusion emitters from then on); none elsewhere
+    (XLA's GPU backend refuses level 0)."""
     if platform != "cpu":
         return {}
     if runs_once:
-        return {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+        older_emitter = {"xla_cpu_use_fusion_emitters": False} if _HAS_OLDER_KERNEL_EMITTER else {}
+        return {"xla_backend_optimization_level": 0, **older_emitter}
     return {"xla_backend_optimization_level": 2}
 
 

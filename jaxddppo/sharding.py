@@ -74,6 +74,18 @@ def state_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
+# jaxlib 0.11.2 (0.11.1 and earlier are fine; jax pins jaxlib to its own release) crashes the
+# process with a segmentation fault while compiling a jit(shard_map(f)) over two or more devices
+# that passes a zero-sized array into f: an argument (navix's state holds one), or a constant f
+# closes over, which JAX passes in the same way (JAX's own `x.at[:, :].set(y)` scatters with
+# int32[0] indices, as xminigrid's resets do). The crash is in Shardy's canonicalisation
+# (ManualComputationUnusedInputsPattern). In that range, zero-sized arguments, which hold no
+# values, are made inside f instead of passed, and f runs in an inner `jax.jit`, which keeps its
+# constants out of the shard_map's operands. tests/test_sharding.py runs both bare programs in
+# subprocesses and fails once a release in the range compiles them: then bound it by that release.
+_ZERO_SIZED_OPERAND_CRASH = jax.__version_info__ >= (0, 11, 2)
+
+
 def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate_argnums: tuple[int, ...],
                    shared_argnums: tuple[int, ...] = ()) -> Callable:
     # Explicit output shardings: on a one-device mesh XLA may otherwise report
@@ -82,10 +94,37 @@ def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate
 
     def over_mesh(*args: Any) -> Any:
         in_specs = tuple(PartitionSpec() if index in shared_argnums else spec for index in range(len(args)))
-        return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+        if not _ZERO_SIZED_OPERAND_CRASH:
+            return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*args)
+        return _without_zero_sized_operands(per_device, mesh, in_specs, spec)(*args)
 
     over_mesh.__name__ = per_device.__name__
     return jax.jit(over_mesh, out_shardings=out_shardings, donate_argnums=donate_argnums)
+
+
+def _without_zero_sized_operands(per_device: Callable, mesh: Mesh, in_specs: tuple[PartitionSpec, ...],
+                                 out_spec: PartitionSpec) -> Callable:
+    """`shard_map(per_device)` whose zero-sized argument leaves are made inside instead of
+    passed, and whose body is an inner `jax.jit` (`_ZERO_SIZED_OPERAND_CRASH`)."""
+
+    def mapped(*args: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(args)
+        leaf_specs = [arg_spec for arg, arg_spec in zip(args, in_specs) for _ in jax.tree.leaves(arg)]
+        # (per-device shape, dtype) of each zero-sized leaf, None for the leaves passed in
+        made_inside = [(NamedSharding(mesh, leaf_spec).shard_shape(leaf.shape), leaf.dtype) if leaf.size == 0
+                       else None for leaf, leaf_spec in zip(leaves, leaf_specs)]
+
+        def body(*passed: Any) -> Any:
+            remaining = iter(passed)
+            local = [jnp.zeros(*made) if made is not None else next(remaining) for made in made_inside]
+            return per_device(*jax.tree.unflatten(treedef, local))
+
+        passed = [leaf for leaf, made in zip(leaves, made_inside) if made is None]
+        passed_specs = tuple(leaf_spec for leaf_spec, made in zip(leaf_specs, made_inside) if made is None)
+        return jax.shard_map(jax.jit(body), mesh=mesh, in_specs=passed_specs, out_specs=out_spec,
+                             check_vma=False)(*passed)
+
+    return mapped
 
 
 def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:

@@ -8,11 +8,14 @@
 - run.cpu_devices cannot change the device count once JAX has started, and says so.
 - Programs that run once compile for speed of compiling, with the same results; the
   seed is an argument of the programs, so every seed shares them.
+- Zero-sized arrays in a shard_map's body compile on two devices, which jaxlib 0.11.2
+  does not do by itself (its bare reproducers run in subprocesses).
 """
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -413,3 +416,46 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
     for leaf, expected in zip(host_leaves(other_state), host_leaves(other.init_state()), strict=True):
         np.testing.assert_array_equal(leaf, expected)
     assert sharding.params_digest(first_state.params) != sharding.params_digest(other_state.params)
+
+
+# jaxlib 0.11.2's compiler segfaults on these programs (see sharding._ZERO_SIZED_OPERAND_CRASH):
+# a zero-sized array enters the body of a shard_map over two devices, as a constant (the int32[0]
+# indices of `x.at[:].set`) or as an argument.
+ZERO_SIZED_OPERAND_SCRIPT = """
+import sys
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2])
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("d")))
+if sys.argv[1] == "constant":
+    f = jax.jit(jax.shard_map(lambda x: x.at[:].set(1.0), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    print(f(put(jax.numpy.zeros(2))))
+else:
+    f = jax.jit(jax.shard_map(lambda x, empty: x + empty.sum(), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    print(f(put(jax.numpy.ones(2)), put(jax.numpy.zeros((2, 0)))))
+"""
+
+
+@pytest.mark.parametrize("operand", ["constant", "argument"])
+def test_the_bare_zero_sized_operand_programs_crash_exactly_where_the_workaround_applies(operand):
+    """In a subprocess: segfault in the range `sharding` works around (jaxlib 0.11.2 on), `[1. 1.]`
+    elsewhere. Once a release in the range compiles them, bound the range by that release, and
+    drop the workaround when no supported release is in it."""
+    process = subprocess.run([sys.executable, "-c", ZERO_SIZED_OPERAND_SCRIPT, operand], env=subprocess_env(2),
+                             capture_output=True, text=True, timeout=300)
+    crashed = process.returncode == -signal.SIGSEGV
+    assert crashed == sharding._ZERO_SIZED_OPERAND_CRASH, (
+        f"jax {jax.__version__}: the reproducer {'crashed' if crashed else 'compiled'}; "
+        f"_ZERO_SIZED_OPERAND_CRASH is {sharding._ZERO_SIZED_OPERAND_CRASH}\n{process.stderr[-3000:]}")
+    if not crashed:
+        assert process.returncode == 0 and "[1. 1.]" in process.stdout, process.stderr[-3000:]
+
+
+@pytest.mark.oldest
+def test_shard_parallel_compiles_zero_sized_constants_and_arguments_on_two_devices():
+    mesh = sharding.make_mesh(jax.devices()[:2])
+    fill = sharding.shard_parallel(lambda x, empty: (x.at[:].set(1.0), empty + 1), mesh, donate_argnums=(1,))
+    put = lambda x: jax.device_put(x, sharding.shard_sharding(mesh))
+    filled, empty = fill(put(np.zeros((2, 3), np.float32)), put(np.zeros((2, 1, 0), np.uint8)))
+    np.testing.assert_array_equal(np.asarray(filled), np.ones((2, 3), np.float32))
+    assert empty.shape == (2, 1, 0) and empty.dtype == np.uint8

@@ -1,4 +1,7 @@
-"""navix adapter (extra `navix`, navix 0.7.4): `navix:Navix-Empty-5x5-v0` and the other registered ids.
+"""navix adapter (extra `navix`): `navix:Navix-Empty-5x5-v0` and the other registered ids.
+
+The extra installs navix 0.7 on Python 3.11 and navix 4 (which needs 3.12) on newer Pythons;
+both have the calls below.
 
 The environment is `navix.make(name)` with its default time limit (`max_steps`, 100 for every
 id) and its default observation, the fully observed symbolic grid (entity tag, colour, state)
