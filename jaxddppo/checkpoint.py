@@ -20,7 +20,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional
 
 import jax
@@ -196,8 +196,12 @@ class Checkpointer:
             report(f"warning: checkpoint {self.path(step)} has no digest (written before jaxddppo recorded "
                    "them): restored unverified")
         counters = {key: value for key, value in record.items() if key != _FORMAT_KEY}
-        if "final_episode_return" in counters:  # written by a single run before sweeps had checkpoints
-            counters["final_episode_returns"] = [counters.pop("final_episode_return")]
+        expected = [field.name for field in fields(RunCounters)]
+        if sorted(counters) != sorted(expected):
+            raise CheckpointFormatError(
+                f"checkpoint {self.path(step)} records the counters {', '.join(sorted(counters))}, this jaxddppo "
+                f"reads {', '.join(sorted(expected))} (the version that wrote it can still read it); start a new run"
+            )
         counters["final_episode_returns"] = tuple(counters["final_episode_returns"])
         return state, RunCounters(**counters)
 

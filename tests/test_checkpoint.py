@@ -245,6 +245,26 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
+def test_a_checkpoint_with_other_counters_is_refused_in_one_line(tmp_path, monkeypatch):
+    """A format-2 checkpoint whose counters differ from this version's (a single run's
+    final_episode_return, written for an hour before sweeps had checkpoints) is refused."""
+    run_dir = tmp_path / "run"
+
+    def single_return(counters):
+        record = checkpoint.asdict(counters)
+        record["final_episode_return"] = record.pop("final_episode_returns")[0]
+        return {**record, "checkpoint_format": checkpoint.CHECKPOINT_FORMAT}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_counters_record", single_return)
+        run(small_config(run_dir), devices=jax.devices()[:1], stop_after_updates=4)
+    config = load_resume_config(str(run_dir))
+    with pytest.raises(checkpoint.CheckpointFormatError,
+                       match=r"records the counters env_steps, final_episode_return, train_seconds, update, "
+                             r"this jaxddppo reads env_steps, final_episode_returns, train_seconds, update"):
+        checkpoint.Checkpointer(str(run_dir)).restore(4, build(config, jax.devices()[:1]).abstract_state())
+
+
 def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)

@@ -107,8 +107,8 @@ def imported_modules(module: str) -> set[str]:
 
 
 def test_the_update_imports_the_shard_semantics_alone_and_a_policy_no_trainer():
-    mesh_and_start_up = {"jaxddppo.sharding", "jaxddppo.distributed", "jaxddppo.experiment"}
-    trainer = {"jaxddppo.loop", "jaxddppo.train", "jaxddppo.sweep", "jaxddppo.population", "jaxddppo.run_dir"}
+    mesh_and_start_up = {"jaxddppo.sharding", "jaxddppo.distributed", "jaxddppo.experiment", "jaxddppo.population"}
+    trainer = {"jaxddppo.loop", "jaxddppo.train", "jaxddppo.sweep", "jaxddppo.run_dir"}
     for module in ("jaxddppo.ppo", "jaxddppo.normalization", "jaxddppo.eval_episodes"):
         imported = imported_modules(module)
         assert "jaxddppo.shards" in imported and not imported & (mesh_and_start_up | trainer), (module, imported)
