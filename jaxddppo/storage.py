@@ -104,12 +104,16 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
     """Turn a storage fault raised in the block into a one-line StorageError, after waiting
     for the saves in flight and removing a partial checkpoint. Meanwhile the fault's echoes
     are quiet: orbax's logs of it, the closed event loops of its failed writes, writer
-    threads dying of it. The newest intact checkpoint is verified by reading it back in a
-    single-process run (in a multi-process run the other processes may be gone: the newest
-    complete one is named, and a resume verifies it)."""
-    logger, quiet = logging.getLogger("absl"), _QuietStorageFaults()
+    threads dying of it; after a fault, asyncio's reports of orbax's failed write tasks,
+    which come when the tasks are collected (at exit, say), stay quiet for good. The newest
+    intact checkpoint is verified by reading it back in a single-process run (in a
+    multi-process run the other processes may be gone: the newest complete one is named,
+    and a resume verifies it)."""
+    loggers, quiet = [logging.getLogger("absl"), logging.getLogger("asyncio")], _QuietStorageFaults()
     unraisable_hook, thread_hook = sys.unraisablehook, threading.excepthook
-    logger.addFilter(quiet)
+    for logger in loggers:
+        logger.addFilter(quiet)
+    faulted = False
     sys.unraisablehook = _without_closed_loops(unraisable_hook)
     threading.excepthook = _without_thread_faults(thread_hook)
     try:
@@ -118,6 +122,7 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
         fault = storage_fault(error)
         if fault is None:
             raise
+        faulted = True
         code, path = fault
         removed = checkpointer.abandon()
         if path and os.path.abspath(path).startswith(os.path.abspath(run_dir) + os.sep):
@@ -128,7 +133,9 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
         line += f"; {_newest(checkpointer, abstract_state)}; once fixed, continue with: {resume_command} {run_dir}"
         raise StorageError(line) from None
     finally:
-        logger.removeFilter(quiet)
+        if not faulted:
+            for logger in loggers:
+                logger.removeFilter(quiet)
         sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
 
 
