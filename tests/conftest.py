@@ -82,6 +82,29 @@ def host_leaves(tree) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree.leaves(all_shards(jax.tree.map(raw, tree)))]
 
 
+# A small CartPole run of 12 updates in 4 shards with a checkpoint every 4 updates: what the
+# checkpoint and storage tests train, stop, damage and resume.
+SMALL_CHECKPOINTED_RUN = {
+    "env": {"num_envs": 8, "normalize_observations": True, "scale_rewards": True},
+    "ppo": {"num_steps": 16},
+    "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
+    "checkpoint": {"every_updates": 4},
+    "eval": {"num_episodes": 4},
+    "run": {"progress": False},
+}
+
+
+def small_config(run_dir: Path, **sections: dict):
+    """`SMALL_CHECKPOINTED_RUN` in `run_dir`, with `sections`' keys overriding or adding to it."""
+    from jaxddppo.config import from_dict
+
+    values = {name: dict(section) for name, section in SMALL_CHECKPOINTED_RUN.items()}
+    for name, section in sections.items():
+        values.setdefault(name, {}).update(section)
+    values["run"]["dir"] = str(run_dir)
+    return from_dict(values)
+
+
 def flip_a_stored_bit(step_dir: Path) -> Path:
     """Flip one bit in the middle of the largest data file of a checkpoint
     (`state/ocdbt.process_*/d/*`: raw array bytes, no checksum of their own), as a bad disk

@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
-from conftest import host_leaves, subprocess_env
+from conftest import host_leaves, small_config, subprocess_env
 
 from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
-from jaxddppo.config import ConfigError, from_dict, load_config, load_resume_config
+from jaxddppo.config import ConfigError, load_config, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.experiment import Experiment, all_finite, build, update_count
 from jaxddppo.loop import NonFiniteError, chunk_plan
@@ -34,24 +34,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
 # with both running statistics, so that they too must survive a resume exactly.
-SMALL = {
-    "env": {"num_envs": 8, "normalize_observations": True, "scale_rewards": True},
-    "ppo": {"num_steps": 16},
-    "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
-    "checkpoint": {"every_updates": 4},
-    "eval": {"num_episodes": 4},
-    "run": {"progress": False},
-}
-
-
-def small_config(run_dir: Path, **sections: dict):
-    values = {name: dict(section) for name, section in SMALL.items()}
-    for name, section in sections.items():
-        values.setdefault(name, {}).update(section)
-    values["run"]["dir"] = str(run_dir)
-    return from_dict(values)
-
-
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

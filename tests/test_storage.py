@@ -16,33 +16,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import flip_a_stored_bit, host_leaves, subprocess_env
+from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_env
 
 from jaxddppo import checkpoint, outputs, sharding
 from jaxddppo.checkpoint import CheckpointDamaged, Checkpointer
-from jaxddppo.config import from_dict, load_resume_config, to_yaml
+from jaxddppo.config import load_resume_config, to_yaml
 from jaxddppo.experiment import build
 from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import run
 
 # As tests/test_checkpoint.py: 12 updates of 128 env steps, chunks of 4, a checkpoint every 4.
-SMALL = {
-    "env": {"num_envs": 8, "normalize_observations": True, "scale_rewards": True},
-    "ppo": {"num_steps": 16},
-    "train": {"total_env_steps": 12 * 128, "updates_per_chunk": 4, "num_shards": 4},
-    "checkpoint": {"every_updates": 4},
-    "eval": {"num_episodes": 4},
-    "run": {"progress": False},
-}
-
-
-def small_config(run_dir: Path, **sections: dict):
-    values = {name: {**section, **sections.get(name, {})} for name, section in SMALL.items()}
-    values["run"]["dir"] = str(run_dir)
-    return from_dict(values)
-
-
 def small_config_file(directory: Path, run_dir: Path, **sections: dict) -> list[str]:
     """The command-line arguments of `small_config`: a YAML file and run.dir."""
     path = directory / "small.yaml"
