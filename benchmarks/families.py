@@ -43,7 +43,7 @@ def env_rates(config_path: str) -> dict[str, Any]:
     """The core's and `BatchedEnv`'s steps/s of the config's environments (in a process of its own)."""
     from env_rates import measure_rates
 
-    from jaxddppo.config import load_config
+    from jaxddppo.config_files import load_config
 
     config = load_config(config_path)
     return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps,

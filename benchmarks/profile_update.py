@@ -77,7 +77,7 @@ def main() -> None:
     # The jaxddppo of the checkout this script is in, whichever one is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from jaxddppo import distributed
-    from jaxddppo.config import load_config
+    from jaxddppo.config_files import load_config
     from jaxddppo.experiment import abstract_update_count, build, update_count
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])

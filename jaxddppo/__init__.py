@@ -11,7 +11,8 @@ The commands are `python -m jaxddppo.train` and `python -m jaxddppo.sweep`.
 import importlib
 from typing import Any
 
-from jaxddppo.config import Config, ConfigError, from_dict, load_config, with_overrides
+from jaxddppo.config import Config, ConfigError
+from jaxddppo.config_files import from_dict, load_config, with_overrides
 
 __version__ = "0.1.0"
 __all__ = [

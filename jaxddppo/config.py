@@ -1,23 +1,18 @@
-"""Typed, frozen configuration: defaults, YAML files, dotted overrides, validation.
+"""The options: typed, frozen dataclasses with their defaults and help, which of them a
+resume may change, and `validate`'s range and choice checks.
 
-The dataclasses below are the single source of truth for every option. A YAML
-file fills them, `section.key=value` overrides follow, and `validate` checks
-ranges and choices. Sizes that depend on the device count are derived later, in
-`topology.py`. Nothing writes into a config after it is built.
+These dataclasses are the single source of truth for every option; `config_files.py`
+fills them from YAML files, dotted overrides and dicts, and `config_reference.py` lists
+them for `--help` and docs/configuration.md. Sizes that depend on the device count are
+derived later, in `topology.py`. Nothing writes into a config after it is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Union
-
-import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -215,217 +210,8 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
-@dataclass(frozen=True)
-class OptionInfo:
-    key: str
-    type_name: str
-    default: Any
-    help: str
-    choices: Optional[tuple[str, ...]] = None
-
-
-def _type_name(annotation: Any) -> str:
-    name = str(annotation).replace("typing.", "").replace("tuple[int, ...]", "list[int]")
-    if name.startswith("Optional[") and name.endswith("]"):
-        return name[len("Optional["):-1] + " or null"
-    return name
-
-
-def options(config_type: type = Config, prefix: str = "") -> list[OptionInfo]:
-    """Every leaf option as a dotted key, with its type, default and help."""
-    result = []
-    defaults = config_type()
-    for fld in dataclasses.fields(config_type):
-        value = getattr(defaults, fld.name)
-        if dataclasses.is_dataclass(value):
-            result.extend(options(type(value), f"{prefix}{fld.name}."))
-        else:
-            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"],
-                                     fld.metadata["choices"]))
-    return result
-
-
-def help_text() -> str:
-    """One line per option: key, type, default and meaning."""
-    lines = []
-    for opt in options():
-        default = "all devices" if opt.key == "train.num_shards" else opt.default
-        if isinstance(default, tuple):
-            default = "[" + ",".join(str(v) for v in default) + "]"
-        lines.append(f"  {opt.key} ({opt.type_name}, default {default}): {opt.help}")
-    return "\n".join(lines)
-
-
-def _markdown_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, tuple):
-        return "[" + ", ".join(str(v) for v in value) + "]"
-    return str(value)
-
-
-REFERENCE_COMMAND = 'python -c "import jaxddppo.config as c; print(c.reference_markdown())" > docs/configuration.md'
-
-
-def reference_markdown() -> str:
-    """The option reference, docs/configuration.md: one table per section, from the fields' help."""
-    lines = [
-        "# Configuration reference",
-        "",
-        f"<!-- Generated from jaxddppo/config.py; do not edit. Regenerate with: {REFERENCE_COMMAND} -->",
-        "",
-        "Options are set in a YAML file of sections (as in `experiments/*.yaml`), on the command line "
-        "as `section.key=value` after `--config FILE`, or in Python with `jaxddppo.from_dict` and "
-        "`jaxddppo.with_overrides`. Every value is checked before anything compiles; a bad one is one line "
-        "on stderr and exit code 2. `python -m jaxddppo.train --help` prints the same list.",
-        "",
-        f"`--resume RUN_DIR` may change only {', '.join(f'`{key}`' for key in RESUMABLE_KEYS)}: "
-        "anything else would change the algorithm mid-run.",
-    ]
-    for section in dataclasses.fields(Config):
-        section_type = type(getattr(Config(), section.name))
-        lines += ["", f"## {section.name}", "", section_type.__doc__, "",
-                  "| key | type | default | meaning |", "|---|---|---|---|"]
-        for opt in options(section_type, f"{section.name}."):
-            type_name = opt.type_name
-            if opt.choices:
-                type_name = "one of " + ", ".join(f"`{choice}`" for choice in opt.choices)
-                type_name += ", or null" if opt.type_name.endswith(" or null") else ""
-            meaning = opt.help.replace("|", "\\|")
-            lines.append(f"| `{opt.key}` | {type_name} | `{_markdown_value(opt.default)}` | {meaning} |")
-    return "\n".join(lines)
-
-
-def _sections() -> list[str]:
+def section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
-
-
-# The CPU options that `run.cpu_tuning` replaced: a run directory written with them still resumes.
-REPLACED_CPU_OPTIONS = ("network.dense_gradient", "ppo.minibatch_shuffle", "ppo.flat_optimizer",
-                        "run.fast_cpu_compile")
-
-
-def _unknown_key_message(key: str) -> str:
-    if key in REPLACED_CPU_OPTIONS:
-        return f"'{key}' was replaced by run.cpu_tuning (auto, on or off; docs/configuration.md)"
-    known = [opt.key for opt in options()]
-    if "." not in key and key not in _sections():
-        close = difflib.get_close_matches(key, _sections(), n=1, cutoff=0.5)
-        hint = f"did you mean '{close[0]}'?" if close else f"sections are {', '.join(_sections())}"
-        return f"unknown section '{key}'; {hint}"
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-    if not close and "." in key:
-        leaf = key.rsplit(".", 1)[1]
-        close = [k for k in known if k.rsplit(".", 1)[1] == leaf][:1]
-    return f"unknown key '{key}'" + (f"; did you mean '{close[0]}'?" if close else "")
-
-
-def _error_from_omegaconf(error: OmegaConfBaseException, source: str) -> ConfigError:
-    key = getattr(error, "full_key", None) or "?"
-    if type(error).__name__ == "ConfigKeyError":
-        return ConfigError(f"{source}: {_unknown_key_message(key)}")
-    type_names = {opt.key: opt.type_name for opt in options()}
-    if key in type_names:
-        value = getattr(error, "value", None)
-        return ConfigError(f"{source}: {key}={value!r} is invalid: expected {type_names[key]}")
-    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return ConfigError(f"{source}: {key}: {first_line}")
-
-
-def _check_sections(layer: Any, source: str) -> None:
-    """Top-level entries must be sections holding keys (OmegaConf's own error names no key)."""
-    for name, value in layer.items():
-        if name in _sections() and not isinstance(value, dict):
-            example = options(type(getattr(Config(), name)))[0].key
-            raise ConfigError(
-                f"{source}: '{name}' is a section, not a value ({name}={value!r}); "
-                f"set its keys, e.g. {name}.{example}=..."
-            )
-
-
-def _load_yaml(path: str) -> Any:
-    if not os.path.exists(path):
-        raise ConfigError(f"config file not found: {path}")
-    if os.path.isdir(path):
-        raise ConfigError(f"config file is a directory: {path}")
-    try:
-        with open(path) as handle:
-            raw = yaml.safe_load(handle)
-    except (yaml.YAMLError, UnicodeDecodeError) as error:  # the parser's own messages are many-lined
-        detail = " ".join(str(error).split())[:200]
-        raise ConfigError(f"config file {path} is not valid YAML: {detail}") from None
-    except OSError as error:
-        raise ConfigError(f"config file {path} cannot be read: {error.strerror}") from None
-    if raw is None:
-        raise ConfigError(f"config file {path} is empty; give at least one section, e.g. 'env: {{id: CartPole-v1}}'")
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of sections, e.g. 'env: {{id: CartPole-v1}}', "
-            f"not a {type(raw).__name__}"
-        )
-    _check_sections(raw, path)
-    return OmegaConf.load(path)
-
-
-def _parse_overrides(overrides: Iterable[str]) -> Any:
-    pairs = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key or key.strip() != key:
-            raise ConfigError(f"override '{item}' is not of the form section.key=value")
-        if not value:
-            raise ConfigError(f"override '{item}' has no value")
-        pairs.append(f"{key}={value}")
-    try:
-        layer = OmegaConf.from_dotlist(pairs)
-    except OmegaConfBaseException as error:
-        raise _error_from_omegaconf(error, "command line") from None
-    _check_sections(OmegaConf.to_container(layer), "command line")
-    return layer
-
-
-def _merge(base: Any, layer: Any, source: str) -> Any:
-    try:
-        return OmegaConf.merge(base, layer)
-    except OmegaConfBaseException as error:
-        raise _error_from_omegaconf(error, source) from None
-
-
-def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
-    """Defaults, then the YAML file (if any), then `key=value` overrides; validated."""
-    return _load(None if path is None else _load_yaml(path), path, overrides)
-
-
-def _load(layer: Any, source: Optional[str], overrides: Iterable[str]) -> Config:
-    merged = OmegaConf.structured(Config)
-    if layer is not None:
-        merged = _merge(merged, layer, source)
-    merged = _merge(merged, _parse_overrides(overrides), "command line")
-    return _validated(merged)
-
-
-# YAML 1.1 reads an unquoted on / off as a boolean, which the string option receives as True / False.
-_SWITCH_FROM_YAML_BOOLEAN = {"True": "on", "False": "off"}
-
-
-def _validated(merged: Any) -> Config:
-    """The Config of merged layers, with `run.cpu_tuning: on` read as written, validated."""
-    config = OmegaConf.to_object(merged)
-    switch = _SWITCH_FROM_YAML_BOOLEAN.get(config.run.cpu_tuning, config.run.cpu_tuning)
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, cpu_tuning=switch))
-    validate(config)
-    return config
-
-
-def from_dict(values: dict) -> Config:
-    """A config from a nested dict of overrides (the Python API), validated."""
-    _check_sections(values, "config")
-    merged = _merge(OmegaConf.structured(Config), OmegaConf.create(values), "config")
-    return _validated(merged)
 
 
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
@@ -435,96 +221,8 @@ RESUMABLE_KEYS = (
 )
 
 
-def _resumable(key: str) -> bool:
+def is_resumable(key: str) -> bool:
     return any(key == safe or (safe.endswith("*") and key.startswith(safe[:-1])) for safe in RESUMABLE_KEYS)
-
-
-def _flat(values: dict, prefix: str = "") -> dict:
-    flat = {}
-    for name, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat
-
-
-def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
-    """The config of the run in `run_dir` (its config.yaml), with overrides that are safe mid-run."""
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.isdir(run_dir):
-        raise ConfigError(f"run directory {run_dir} does not exist")
-    if not os.path.isfile(path):
-        raise ConfigError(f"run directory {run_dir} has no config.yaml; is it a jaxddppo run directory?")
-    layer = _with_cpu_tuning(_load_yaml(path), path)
-    stored = _load(layer, path, ())
-    resumed = _load(layer, path, overrides)
-    before, after = _flat(to_dict(stored)), _flat(to_dict(resumed))
-    for key in before:
-        if before[key] != after[key] and key != "run.dir" and not _resumable(key):
-            raise ConfigError(
-                f"{key}={after[key]!r} cannot change on resume (the run has {before[key]!r}): it would change "
-                f"the algorithm mid-run; a resume may change {', '.join(RESUMABLE_KEYS)}"
-            )
-    if before["run.dir"] != after["run.dir"]:
-        raise ConfigError(f"run.dir={after['run.dir']!r} cannot be set on resume: the run directory is {run_dir}")
-    return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
-
-
-def _with_cpu_tuning(layer: Any, path: str) -> Any:
-    """A run directory's config, with the CPU options of a run written before `run.cpu_tuning`
-    replaced by the switch that draws the same minibatch orders (the others changed only the
-    last bits, and a resume could change them)."""
-    values = OmegaConf.to_container(layer)
-    replaced = {}
-    for key in REPLACED_CPU_OPTIONS:
-        section, name = key.split(".")
-        if isinstance(values.get(section), dict) and name in values[section]:
-            replaced[key] = values[section].pop(name)
-    if not replaced:
-        return layer
-    if replaced.get("ppo.flat_optimizer"):
-        raise ConfigError(f"{path}: ppo.flat_optimizer=true is gone (its optimizer state was one vector; this "
-                          "version's is a tree): resume this run with the jaxddppo that started it")
-    tuning = "on" if replaced.get("ppo.minibatch_shuffle") == "cpu_sorts" else "off"
-    values.setdefault("run", {})["cpu_tuning"] = tuning
-    return OmegaConf.create(values)
-
-
-def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
-    """`config` with dotted keys replaced, e.g. {"ppo.learning_rate": 1e-3}; validated."""
-    nested: dict = {}
-    for key, value in overrides.items():
-        *sections, leaf = key.split(".")
-        if not sections:
-            _check_sections({key: value}, "override")
-            raise ConfigError(f"override: {_unknown_key_message(key)}")
-        target = nested
-        for name in sections:
-            target = target.setdefault(name, {})
-        target[leaf] = list(value) if isinstance(value, tuple) else value
-    merged = _merge(OmegaConf.structured(config), OmegaConf.create(nested), "override")
-    return _validated(merged)
-
-
-def as_config(config: Union[Config, Mapping, str, os.PathLike]) -> Config:
-    """A Config from a Config, a nested dict (`from_dict`) or a YAML path (`load_config`)."""
-    if isinstance(config, Config):
-        validate(config)
-        return config
-    if isinstance(config, Mapping):
-        return from_dict(dict(config))
-    if isinstance(config, (str, os.PathLike)):
-        return load_config(os.fspath(config))
-    raise ConfigError(f"config must be a Config, a dict or a YAML path, not {type(config).__name__}")
-
-
-def to_dict(config: Config) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(config))
-
-
-def to_yaml(config: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
 def _check(condition: bool, key: str, value: Any, requirement: str) -> None:

@@ -37,7 +37,8 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
-from jaxddppo.config import Config, with_overrides
+from jaxddppo.config import Config
+from jaxddppo.config_files import with_overrides
 
 # The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

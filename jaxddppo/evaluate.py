@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxddppo.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import ConfigError, load_resume_config
+from jaxddppo.config import ConfigError
+from jaxddppo.config_files import load_resume_config
 from jaxddppo.eval_episodes import EvalResult, evaluate_policy
 from jaxddppo.experiment import build, final_eval_key
 from jaxddppo.policy import Policy, load_policy

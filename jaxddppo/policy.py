@@ -19,7 +19,8 @@ import jax
 
 from jaxddppo import sharding
 from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import Config, load_resume_config
+from jaxddppo.config import Config
+from jaxddppo.config_files import load_resume_config
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.experiment import build
 from jaxddppo.networks import ActorCritic, policy_step

@@ -16,7 +16,9 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.config import Config, ConfigError, options, with_overrides
+from jaxddppo.config import Config, ConfigError
+from jaxddppo.config_files import with_overrides
+from jaxddppo.config_reference import options
 from jaxddppo.experiment import Experiment, Member, assemble
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.topology import make_topology, place_population

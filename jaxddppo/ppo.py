@@ -1,5 +1,5 @@
-"""PPO's update: epochs x minibatches of the loss's mean gradient (`loss.py`), and one
-update step from rollout to new parameters.
+"""PPO's update: epochs x minibatches (`minibatches.py`) of the loss's mean gradient
+(`loss.py`), and one update step from rollout to new parameters.
 
 `make_update` binds the static pieces (environment, network, sizes) and returns
 the per-device `update(state, hyperparams) -> (state, metrics)`;
@@ -24,14 +24,17 @@ from jaxddppo import cpu_tuning
 from jaxddppo.config import Config
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
-from jaxddppo.loss import (
-    Batch,
-    LossInfo,
-    PPOHyperparams,
-    SequenceObs,
-    loss_apply_fn,
-    mean_gradients,
-    normalize_minibatch_advantages,
+from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, loss_apply_fn, mean_gradients, normalize_minibatch_advantages
+from jaxddppo.minibatches import (
+    Minibatching,
+    flatten_rollout,
+    merge_time_and_batch,
+    minibatch_indices,
+    sequence_advantages,
+    sequence_batch,
+    sequence_indices,
+    take_samples,
+    take_sequences,
 )
 from jaxddppo.networks import ActorCritic, policy_step, prepare_observations
 from jaxddppo.normalization import (
@@ -95,6 +98,13 @@ class UpdateSettings:
         return self.num_epochs * self.num_minibatches
 
     @property
+    def minibatching(self) -> Minibatching:
+        return Minibatching(
+            num_epochs=self.num_epochs, num_minibatches=self.num_minibatches,
+            minibatch_size=self.minibatch_size, num_envs=self.num_envs, shuffle=self.minibatch_shuffle,
+        )
+
+    @property
     def shards(self) -> DeviceShards:
         """How the update runs and sums its shards: exactly only where there are several
         (a single shard has one order, and would only pay for the loop)."""
@@ -149,56 +159,6 @@ def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSe
     return make_optimizer(hyperparams, settings).init(params)
 
 
-def take_samples(batch: Batch, index: jax.Array) -> Batch:
-    """The samples `index` [n] of a flat batch."""
-    return jax.tree.map(lambda x: x[index], batch)
-
-
-def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
-    """The whole sequences of environments `env_index` [n] of a sequence batch, steps in order."""
-    sequences = batch.obs
-    fields = jax.tree.map(lambda x: x[:, env_index], batch.replace(obs=None))
-    return fields.replace(obs=SequenceObs(
-        obs=jax.tree.map(lambda x: x[:, env_index], sequences.obs),
-        episode_start=sequences.episode_start[:, env_index],
-        carry=jax.tree.map(lambda c: c[env_index], sequences.carry),
-    ))
-
-
-def epoch_permutations(key: jax.Array, num_items: int, settings: UpdateSettings) -> jax.Array:
-    """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch, drawn as
-    `settings.minibatch_shuffle` says."""
-    if settings.minibatch_shuffle == "cpu_sorts":
-        return cpu_tuning.sort_permutations(key, settings.num_epochs, num_items)
-    return jax.vmap(lambda k: jax.random.permutation(k, num_items))(jax.random.split(key, settings.num_epochs))
-
-
-def sequence_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
-    """[num_epochs, num_minibatches, envs per minibatch]: a fresh permutation of the envs per epoch."""
-    permutations = epoch_permutations(key, settings.num_envs, settings)
-    return permutations.reshape(settings.num_epochs, settings.num_minibatches, -1)
-
-
-def sequence_advantages(
-    advantages: jax.Array, env_indices: jax.Array, normalize: bool, shards: DeviceShards
-) -> jax.Array:
-    """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
-    `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
-    num_local, num_steps, num_envs = advantages.shape
-    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
-    flat_advantages = advantages.reshape(num_local, -1)
-    if not normalize:
-        return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
-    per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
-    return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
-
-
-def minibatch_indices(key: jax.Array, settings: UpdateSettings) -> jax.Array:
-    """[num_epochs, num_minibatches, minibatch_size]: a fresh permutation per epoch."""
-    permutations = epoch_permutations(key, settings.num_minibatches * settings.minibatch_size, settings)
-    return permutations.reshape(settings.num_epochs, settings.num_minibatches, settings.minibatch_size)
-
-
 def run_epochs(
     params: Any,
     opt_state: Any,
@@ -217,11 +177,11 @@ def run_epochs(
     """
     shards = settings.shards
     if settings.recurrent:
-        indices = shards.map_batched(lambda key: sequence_indices(key, settings), keys)
+        indices = shards.map_batched(lambda key: sequence_indices(key, settings.minibatching), keys)
         advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
         take = take_sequences
     else:
-        indices = shards.map_batched(lambda key: minibatch_indices(key, settings), keys)
+        indices = shards.map_batched(lambda key: minibatch_indices(key, settings.minibatching), keys)
         if settings.normalize_advantages:
             advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
         else:
@@ -245,36 +205,6 @@ def run_epochs(
     xs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), (indices, advantages))
     (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), xs)
     return params, opt_state, jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)
-
-
-def merge_time_and_batch(tree: Any) -> Any:
-    """Leaves [T, B, ...] as [T * B, ...]."""
-    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
-
-
-def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: Any) -> Batch:
-    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` (leaves
-    [T, B, ...]) are the observations as the network saw them."""
-    return Batch(
-        obs=merge_time_and_batch(obs),
-        action=merge_time_and_batch(transitions.action),
-        log_prob=merge_time_and_batch(transitions.log_prob),
-        value=merge_time_and_batch(transitions.value),
-        advantage=merge_time_and_batch(advantages),
-        target=merge_time_and_batch(advantages + transitions.value),
-    )
-
-
-def sequence_batch(transitions: Transition, advantages: jax.Array, obs: Any, initial_carry: Any) -> Batch:
-    """The rollout as [T, B] sequences for a recurrent policy, starting from `initial_carry`."""
-    return Batch(
-        obs=SequenceObs(obs=obs, episode_start=transitions.episode_start, carry=initial_carry),
-        action=transitions.action,
-        log_prob=transitions.log_prob,
-        value=transitions.value,
-        advantage=advantages,
-        target=advantages + transitions.value,
-    )
 
 
 @struct.dataclass

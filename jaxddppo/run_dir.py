@@ -12,7 +12,8 @@ from typing import Optional
 import jax
 
 from jaxddppo import distributed
-from jaxddppo.config import Config, ConfigError, to_yaml
+from jaxddppo.config import Config, ConfigError
+from jaxddppo.config_files import to_yaml
 
 
 def claim_run_dir(path: Optional[str], name: str) -> str:

@@ -27,15 +27,9 @@ import numpy as np
 from jaxddppo import cpu_tuning, distributed, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import (
-    RESUMABLE_KEYS,
-    Config,
-    ConfigError,
-    as_config,
-    help_text,
-    load_config,
-    load_resume_config,
-)
+from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError
+from jaxddppo.config_files import as_config, load_config, load_resume_config
+from jaxddppo.config_reference import help_text
 from jaxddppo.experiment import Experiment
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
 from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json

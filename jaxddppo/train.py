@@ -16,7 +16,9 @@ import jax
 from jaxddppo import distributed
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config import RESUMABLE_KEYS, Config, as_config, help_text, load_config, load_resume_config
+from jaxddppo.config import RESUMABLE_KEYS, Config
+from jaxddppo.config_files import as_config, load_config, load_resume_config
+from jaxddppo.config_reference import help_text
 from jaxddppo.experiment import build
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, summarise, train_experiment
 from jaxddppo.outputs import format_mean_std, write_json

@@ -16,7 +16,7 @@ import yaml
 
 from conftest import REPO_ROOT, subprocess_env
 from jaxddppo import sharding, shards
-from jaxddppo.config import load_config
+from jaxddppo.config_files import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)

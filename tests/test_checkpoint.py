@@ -21,7 +21,8 @@ from conftest import host_leaves, small_config, subprocess_env
 
 from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
-from jaxddppo.config import ConfigError, load_config, load_resume_config
+from jaxddppo.config import ConfigError
+from jaxddppo.config_files import load_config, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.experiment import Experiment, all_finite, build, update_count
 from jaxddppo.loop import NonFiniteError, chunk_plan

@@ -27,7 +27,8 @@ from typing import Optional
 import pytest
 from conftest import subprocess_env
 
-from jaxddppo.config import load_config, options
+from jaxddppo.config_files import load_config
+from jaxddppo.config_reference import options
 from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

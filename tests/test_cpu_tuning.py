@@ -14,7 +14,7 @@ import pytest
 from conftest import host_leaves
 
 from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, is_on, resolve, sort_permutations
-from jaxddppo.ppo import UpdateSettings, minibatch_indices, sequence_indices
+from jaxddppo.minibatches import Minibatching, minibatch_indices, sequence_indices
 
 
 def reference_permutations(key: jax.Array, num_permutations: int, n: int) -> np.ndarray:
@@ -58,14 +58,10 @@ def test_sort_permutations_draw_every_order_equally_often():
 
 @pytest.mark.parametrize("shuffle", ["jax", "cpu_sorts"])
 def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
-    settings = UpdateSettings(
-        num_steps=8, num_epochs=3, num_minibatches=4, minibatch_size=16, num_shards=1, num_updates=1,
-        clip_value=True, normalize_advantages=True, anneal_lr=False, num_envs=8, recurrent=False,
-        critic_after_steps=False, normalize_observations=False, scale_rewards=False, minibatch_shuffle=shuffle,
-    )
+    sizes = Minibatching(num_epochs=3, num_minibatches=4, minibatch_size=16, num_envs=8, shuffle=shuffle)
     key = jax.random.key(5)
-    samples = np.asarray(minibatch_indices(key, settings)).reshape(3, -1)
-    sequences = np.asarray(sequence_indices(key, settings)).reshape(3, -1)
+    samples = np.asarray(minibatch_indices(key, sizes)).reshape(3, -1)
+    sequences = np.asarray(sequence_indices(key, sizes)).reshape(3, -1)
     for epochs, size in ((samples, 64), (sequences, 8)):
         for epoch in epochs:
             np.testing.assert_array_equal(np.sort(epoch), np.arange(size))
@@ -81,7 +77,7 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     the initialisation as a program that runs once; it starts from the state the plain path
     starts from, but for the last bits."""
     from jaxddppo import cpu_tuning, experiment
-    from jaxddppo.config import from_dict, with_overrides
+    from jaxddppo.config_files import from_dict, with_overrides
 
     config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
     plain = experiment.build(config, jax.devices()[:1])
@@ -108,14 +104,14 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     ("auto", "cpu", "on"), ("auto", "gpu", "off"), ("auto", "tpu", "off"), ("on", "gpu", "on"), ("off", "cpu", "off"),
 ])
 def test_the_cpu_switch_resolves_auto_by_platform(setting, platform, resolved):
-    from jaxddppo.config import from_dict
+    from jaxddppo.config_files import from_dict
 
     config = resolve(from_dict({"run": {"cpu_tuning": setting}}), platform)
     assert config.run.cpu_tuning == resolved and is_on(config) == (resolved == "on")
 
 
 def test_an_unresolved_switch_is_refused():
-    from jaxddppo.config import from_dict
+    from jaxddppo.config_files import from_dict
 
     with pytest.raises(ValueError, match="run.cpu_tuning=auto is decided by cpu_tuning.resolve"):
         is_on(from_dict({}))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxddppo.config import REFERENCE_COMMAND, reference_markdown
+from jaxddppo.config_reference import REFERENCE_COMMAND, reference_markdown
 from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, SWEEP_SUMMARY_FIELDS
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo.config import NetworkConfig, from_dict
+from jaxddppo.config import NetworkConfig
+from jaxddppo.config_files import from_dict
 from jaxddppo.envs import available_env_ids, make_env
 from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import make_actor_critic

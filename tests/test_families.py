@@ -11,7 +11,8 @@ import pytest
 from conftest import FAMILY_IDS, family_installed, host_leaves
 
 from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import ConfigError, from_dict
+from jaxddppo.config import ConfigError
+from jaxddppo.config_files import from_dict
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
 from jaxddppo.experiment import Experiment, build, update_count
 from jaxddppo.policy import load_policy

@@ -27,7 +27,8 @@ from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo.ppo import UpdateSettings, minibatch_indices, optimizer_state, run_epochs
+from jaxddppo.minibatches import minibatch_indices
+from jaxddppo.ppo import UpdateSettings, optimizer_state, run_epochs
 from jaxddppo.rollout import gae
 
 RTOL = 1e-5
@@ -497,7 +498,7 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(minibatch_shuffle
     mesh = sharding.make_mesh(jax.devices()[:1])
     new_params, _, info = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batch))
 
-    minibatches = np.asarray(minibatch_indices(key, settings)).reshape(4, 4)
+    minibatches = np.asarray(minibatch_indices(key, settings.minibatching)).reshape(4, 4)
     expected, norms = clipped_adam_reference(params, batch_np, minibatches, learning_rate, max_grad_norm, adam_eps)
     assert min(norms) < max_grad_norm < max(norms), norms  # clipped and unclipped steps both
     np.testing.assert_allclose(np.ravel(info.grad_norm), norms, rtol=1e-5)  # every step's, in order

@@ -16,7 +16,7 @@ import pytest
 from conftest import flip_a_stored_bit, subprocess_env
 
 from jaxddppo import distributed, sharding
-from jaxddppo.config import load_config
+from jaxddppo.config_files import load_config
 from jaxddppo.experiment import build
 from jaxddppo.train import run
 

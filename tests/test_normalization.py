@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding, shards
-from jaxddppo.config import NetworkConfig, from_dict
+from jaxddppo.config import NetworkConfig
+from jaxddppo.config_files import from_dict
 from jaxddppo.envs import make_env
 from jaxddppo.eval_episodes import evaluate_policy
 from jaxddppo.experiment import build, update_count

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding
-from jaxddppo.config import ConfigError, from_dict
+from jaxddppo.config import ConfigError
+from jaxddppo.config_files import from_dict
 from jaxddppo.eval_episodes import evaluate_policy
 from jaxddppo.experiment import build
 from jaxddppo.outputs import METRIC_FIELDS

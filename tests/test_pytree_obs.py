@@ -22,7 +22,8 @@ from conftest import host_leaves
 
 from jaxddppo import sharding, shards
 from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import ConfigError, NetworkConfig, from_dict
+from jaxddppo.config import ConfigError, NetworkConfig
+from jaxddppo.config_files import from_dict
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
 from jaxddppo.experiment import build, update_count

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding, shards, topology
-from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig, from_dict, load_config
+from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig
+from jaxddppo.config_files import from_dict, load_config
 from jaxddppo.envs import make_env
 from jaxddppo.loss import Batch, PPOHyperparams, SequenceObs, loss_apply_fn, mean_gradients
 from jaxddppo.networks import make_actor_critic, policy_step, unroll
-from jaxddppo.ppo import UpdateSettings, sequence_advantages, sequence_indices, take_sequences
+from jaxddppo.minibatches import Minibatching, sequence_advantages, sequence_indices, take_sequences
 from jaxddppo.rollout import RolloutState, collect_rollout
 from jaxddppo.train import run
 
@@ -116,12 +117,10 @@ def test_unrolled_gaussian_policy_scores_whole_sequences():
     np.testing.assert_allclose(dist.log_prob(actions), np.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def sequence_settings(num_envs: int, num_epochs: int, num_minibatches: int) -> UpdateSettings:
-    return UpdateSettings(
-        num_steps=5, num_epochs=num_epochs, num_minibatches=num_minibatches,
-        minibatch_size=5 * num_envs // num_minibatches, num_shards=1, num_updates=1, clip_value=True,
-        normalize_advantages=True, anneal_lr=False, num_envs=num_envs, recurrent=True, critic_after_steps=False,
-        normalize_observations=False, scale_rewards=False,
+def sequence_settings(num_envs: int, num_epochs: int, num_minibatches: int) -> Minibatching:
+    return Minibatching(
+        num_epochs=num_epochs, num_minibatches=num_minibatches, minibatch_size=5 * num_envs // num_minibatches,
+        num_envs=num_envs,
     )
 
 

@@ -28,7 +28,8 @@ import pytest
 from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
 
 from jaxddppo import cpu_tuning, distributed, sharding, shards, topology
-from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig, from_dict, load_config, with_overrides
+from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig
+from jaxddppo.config_files import from_dict, load_config, with_overrides
 from jaxddppo.envs import make_env
 from jaxddppo.experiment import abstract_update_count, build, update_count
 from jaxddppo.loss import Batch, PPOHyperparams, mean_gradients, normalize_minibatch_advantages
@@ -333,7 +334,7 @@ THREADS_SCRIPT = """
 import json, sys
 from profile_update import xla_cpu_pool_threads
 from jaxddppo import cpu_tuning, train
-from jaxddppo.config import from_dict
+from jaxddppo.config_files import from_dict
 
 result = train.run(from_dict(json.loads(sys.argv[1])))
 print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],

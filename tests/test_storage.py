@@ -20,7 +20,7 @@ from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_en
 
 from jaxddppo import checkpoint, outputs, sharding
 from jaxddppo.checkpoint import CheckpointDamaged, Checkpointer
-from jaxddppo.config import load_resume_config, to_yaml
+from jaxddppo.config_files import load_resume_config, to_yaml
 from jaxddppo.experiment import build
 from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
 from jaxddppo.sweep import resume_sweep, run_sweep

@@ -33,7 +33,8 @@ from matplotlib import image
 import jaxddppo
 from jaxddppo import cpu_tuning, sharding, topology
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
-from jaxddppo.config import ConfigError, from_dict, with_overrides
+from jaxddppo.config import ConfigError
+from jaxddppo.config_files import from_dict, with_overrides
 from jaxddppo.experiment import Experiment
 from jaxddppo.loop import NonFiniteError
 from jaxddppo.population import expand_members, split_overrides
