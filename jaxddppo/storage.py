@@ -1,5 +1,6 @@
 """Storage faults while training: a full disk, a denied permission, a read-only or vanished
-run directory, met while writing a checkpoint, metrics.jsonl or TensorBoard events.
+run directory, met while writing a checkpoint, metrics.jsonl or TensorBoard events, or the
+results at the end (summary.json, sweep.csv, the plots).
 
 They end the run with one line that names the run directory, the error and the newest
 intact checkpoint with the command to resume, and exit code `STORAGE_EXIT_CODE`, instead
@@ -123,11 +124,8 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
         if fault is None:
             raise
         faulted = True
-        code, path = fault
         removed = checkpointer.abandon()
-        if path and os.path.abspath(path).startswith(os.path.abspath(run_dir) + os.sep):
-            path = os.path.relpath(path, run_dir)
-        line = f"storage error in {run_dir}: {describe(code)}" + (f" ({path})" if path else "")
+        line = _fault_line(run_dir, *fault)
         if removed:
             line += f"; removed the partial checkpoint {', '.join(removed)}"
         line += f"; {_newest(checkpointer, abstract_state)}; once fixed, continue with: {resume_command} {run_dir}"
@@ -137,6 +135,27 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
             for logger in loggers:
                 logger.removeFilter(quiet)
         sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+
+
+@contextlib.contextmanager
+def one_line_result_faults(run_dir: str, resume_command: str) -> Iterator[None]:
+    """Turn a storage fault while writing the results of a run that has saved its last
+    checkpoint (summary.json, sweep.csv, the plots) into a one-line StorageError: a resume
+    once the fault is fixed restores that checkpoint and writes them."""
+    try:
+        yield
+    except Exception as error:
+        fault = storage_fault(error)
+        if fault is None:
+            raise
+        raise StorageError(f"{_fault_line(run_dir, *fault)} while writing the results; the checkpoints are "
+                           f"complete; once fixed, write them with: {resume_command} {run_dir}") from None
+
+
+def _fault_line(run_dir: str, code: int, path: Optional[str]) -> str:
+    if path and os.path.abspath(path).startswith(os.path.abspath(run_dir) + os.sep):
+        path = os.path.relpath(path, run_dir)
+    return f"storage error in {run_dir}: {describe(code)}" + (f" ({path})" if path else "")
 
 
 def _newest(checkpointer: Checkpointer, abstract_state: Callable[[], Any]) -> str:

@@ -45,7 +45,9 @@ from jaxddppo.population import (
     split_overrides,
     swept_keys,
 )
-from jaxddppo.storage import STORAGE_EXIT_CODE
+from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
+
+RESUME_COMMAND = "python -m jaxddppo.sweep --resume"
 
 # Every column of sweep.csv besides the swept keys (which follow `seed`), with its meaning.
 SWEEP_CSV_FIELDS: dict[str, str] = {
@@ -237,7 +239,8 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     try:
         result = _results(population, train_experiment(population, session))
         if is_writer:
-            save_curves(population, run_dir)
+            with one_line_result_faults(run_dir, RESUME_COMMAND):
+                save_curves(population, run_dir)
         if result.summary is not None:
             _report(population, result, progress)
     finally:
@@ -255,8 +258,9 @@ def _results(population: Experiment, trained: TrainResult) -> SweepResult:
     best = best_setting(settings)
     summary = _summary(population, trained, best)
     if jax.process_index() == 0:
-        write_csv(os.path.join(trained.run_dir, "sweep.csv"), rows)
-        write_json(os.path.join(trained.run_dir, "summary.json"), summary)
+        with one_line_result_faults(trained.run_dir, RESUME_COMMAND):
+            write_csv(os.path.join(trained.run_dir, "sweep.csv"), rows)
+            write_json(os.path.join(trained.run_dir, "summary.json"), summary)
     return SweepResult(summary, trained.state, trained.run_dir, trained.counters, trained.compile_seconds,
                        members=rows, settings=settings, best=best)
 

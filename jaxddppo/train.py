@@ -23,7 +23,7 @@ from jaxddppo.experiment import build
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, summarise, train_experiment
 from jaxddppo.outputs import format_mean_std, write_json
 from jaxddppo.plot import save_learning_curve
-from jaxddppo.storage import STORAGE_EXIT_CODE
+from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
 
 
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
@@ -48,9 +48,10 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
         if result.stopped_by is None:
             result = replace(result, summary=summarise(experiment, result))
         if is_writer:
-            if result.summary is not None:
-                write_json(os.path.join(run_dir, "summary.json"), result.summary)
-            save_learning_curve(run_dir)
+            with one_line_result_faults(run_dir, "python -m jaxddppo.train --resume"):
+                if result.summary is not None:
+                    write_json(os.path.join(run_dir, "summary.json"), result.summary)
+                save_learning_curve(run_dir)
         if result.summary is not None:
             summary = result.summary
             progress.message(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_env
 
-from jaxddppo import checkpoint, outputs, sharding
+from jaxddppo import checkpoint, outputs, sharding, sweep, train
 from jaxddppo.checkpoint import CheckpointDamaged, Checkpointer
 from jaxddppo.config_files import load_resume_config, to_yaml
 from jaxddppo.experiment import build
@@ -196,6 +196,44 @@ def test_a_failed_metrics_write_is_one_error(tmp_path, monkeypatch, sink, code):
     assert str(raised.value).startswith(
         f"storage error in {run_dir}: {os.strerror(code)} ({errno.errorcode[code]}); the newest checkpoint, "
         f"{run_dir / 'checkpoints' / '4'}, is intact; once fixed, continue with: ")
+
+
+def test_a_full_disk_while_writing_the_results_is_one_error_and_a_resume_writes_them(one_go, tmp_path,
+                                                                                  monkeypatch):
+    run_dir = tmp_path / "run"
+    write = outputs.write_json
+
+    def full_disk_for_the_summary(path, values):
+        if os.path.basename(path) == "summary.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, values)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "write_json", full_disk_for_the_summary)
+        with pytest.raises(StorageError) as raised:
+            run(small_config(run_dir), devices=jax.devices()[:4])
+    assert str(raised.value) == (
+        f"storage error in {run_dir}: No space left on device (ENOSPC) (summary.json) while writing the results; "
+        f"the checkpoints are complete; once fixed, write them with: python -m jaxddppo.train --resume {run_dir}")
+    assert not (run_dir / "summary.json").exists()
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert_same_state(resumed.state, one_go.state)
+    assert json.loads((run_dir / "summary.json").read_text())["total_env_steps"] == resumed.summary["total_env_steps"]
+
+
+def test_a_sweep_whose_results_cannot_be_written_says_so_in_one_line(tmp_path, monkeypatch):
+    run_dir = tmp_path / "sweep"
+
+    def read_only(path, rows):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(sweep, "write_csv", read_only)
+    config = small_config(run_dir, train={"total_env_steps": 4 * 128})
+    with pytest.raises(StorageError) as raised:
+        run_sweep(config, seeds=2, devices=jax.devices()[:2])
+    assert str(raised.value) == (
+        f"storage error in {run_dir}: Read-only file system (EROFS) (sweep.csv) while writing the results; the "
+        f"checkpoints are complete; once fixed, write them with: python -m jaxddppo.sweep --resume {run_dir}")
 
 
 def test_storage_fault_reads_errors_of_python_and_of_tensorstore():
