@@ -113,6 +113,7 @@ class TrainState:
     update_index: jax.Array  # int32, updates done so far
     obs_moments: Optional[RunningMoments] = None  # env.normalize_observations: all shards' observations
     return_moments: Optional[RunningMoments] = None  # env.scale_rewards: all shards' discounted returns
+    pbt: Any = None  # pbt.PBTState of a sweep with population-based training (the update leaves it alone)
 
 
 @struct.dataclass
