@@ -132,6 +132,35 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class PBTConfig:
+    """Population-based training of a sweep's members (docs/sweeps.md#pbt)."""
+
+    every_updates: int = _opt(
+        0, "sweeps: after every this many updates, the weakest members take the whole state of the strongest "
+        "and a perturbed copy of their hyperparameters, inside the compiled program (0: off)"
+    )
+    quantile: float = _opt(
+        0.25, "fraction of the members, in (0, 0.5], that copies (the bottom) and that is copied from (the top)"
+    )
+    perturb: tuple[float, ...] = _opt(
+        (0.8, 1.25), "factors, one drawn per changed hyperparameter, that multiply the copied value (then clipped "
+        "to the key's bounds, docs/sweeps.md#pbt)"
+    )
+    resample_probability: float = _opt(
+        0.25, "probability that a changed hyperparameter is drawn from the sweep's grid values of its key "
+        "instead of perturbed"
+    )
+    fitness: str = _opt(
+        "train_return", "what ranks the members: train_return, the mean return of the training episodes that "
+        "ended since the last exploit; eval_return, a deterministic evaluation (eval.num_episodes) at the exploit",
+        choices=("train_return", "eval_return"),
+    )
+    keys: tuple[str, ...] = _opt(
+        (), "the float hyperparameters (ppo.*) that PBT may change (default: those the sweep varies)"
+    )
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Output directory, progress and the CPU backend's devices and threads."""
 
@@ -204,6 +233,7 @@ class Config:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    pbt: PBTConfig = field(default_factory=PBTConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -279,11 +309,28 @@ def validate(config: Config) -> None:
     for key in ("vf_coef", "ent_coef"):
         value = getattr(config.ppo, key)
         _check(value >= 0, f"ppo.{key}", value, "must be >= 0")
+    _validate_pbt(config.pbt)
     _validate_distributed(config.distributed)
     _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
            "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
     _check(all(c >= 1 for c in config.network.cnn_channels), "network.cnn_channels",
            list(config.network.cnn_channels), "widths must be positive")
+
+
+# The keys `pbt.keys` may name: the float hyperparameters, which the update takes traced.
+PBT_KEYS = tuple(f"ppo.{fld.name}" for fld in dataclasses.fields(PPOConfig) if fld.type == "float")
+
+
+def _validate_pbt(config: PBTConfig) -> None:
+    _check(config.every_updates >= 0, "pbt.every_updates", config.every_updates, "must be >= 0 (0: off)")
+    _check(0 < config.quantile <= 0.5, "pbt.quantile", config.quantile, "must be in (0, 0.5]")
+    _check(len(config.perturb) >= 1 and all(math.isfinite(f) and f > 0 for f in config.perturb), "pbt.perturb",
+           list(config.perturb), "needs at least one factor, every factor finite and > 0")
+    _check(0 <= config.resample_probability <= 1, "pbt.resample_probability", config.resample_probability,
+           "must be in [0, 1]")
+    for key in config.keys:
+        _check(key in PBT_KEYS, "pbt.keys", list(config.keys), f"{key} is not one of {', '.join(PBT_KEYS)}")
+    _check(len(set(config.keys)) == len(config.keys), "pbt.keys", list(config.keys), "names a key twice")
 
 
 def _validate_distributed(config: DistributedConfig) -> None:

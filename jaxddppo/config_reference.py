@@ -4,6 +4,7 @@ docs/configuration.md, both from the dataclasses in `config.py`."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,7 +21,7 @@ class OptionInfo:
 
 
 def _type_name(annotation: Any) -> str:
-    name = str(annotation).replace("typing.", "").replace("tuple[int, ...]", "list[int]")
+    name = re.sub(r"tuple\[(\w+), \.\.\.\]", r"list[\1]", str(annotation).replace("typing.", ""))
     if name.startswith("Optional[") and name.endswith("]"):
         return name[len("Optional["):-1] + " or null"
     return name

@@ -17,8 +17,8 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import cpu_tuning, sharding, shards
-from jaxddppo.config import Config
+from jaxddppo import cpu_tuning, pbt, sharding, shards
+from jaxddppo.config import Config, ConfigError
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy
 from jaxddppo.loss import PPOHyperparams
@@ -97,6 +97,7 @@ class Experiment:
     env: BatchedEnv
     network: ActorCritic
     settings: UpdateSettings
+    pbt: Optional[pbt.PBTSettings] = None  # population-based training, if pbt.every_updates asks for it
 
     @property
     def is_sweep(self) -> bool:
@@ -109,11 +110,16 @@ class Experiment:
 
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
         """`(shard_inputs) -> TrainState`: the initial global state, leaves leading with the state axes."""
+        pbt_key = jax.random.fold_in(jax.random.key(self.config.train.seed), 4)
+
         def init_shard(shard: ShardInputs) -> TrainState:
-            return init_train_state(
+            state = init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
             )
+            if self.pbt is None:
+                return state
+            return pbt.PBTTrainState(**vars(state), pbt=pbt.init_pbt_state(shard.hyperparams, pbt_key))
 
         # The shards' initial states are keys and elementwise draws, which batching leaves alone
         # (tests/test_sharding.py compares them on 1, 2 and 4 devices).
@@ -150,31 +156,61 @@ class Experiment:
 
         def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                   ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            hyperparams = shards.one_copy(shard.hyperparams)
+            member_pbt = None if self.pbt is None else shards.one_copy(state.pbt)
+            hyperparams = shards.one_copy(shard.hyperparams) if member_pbt is None else member_pbt.hyperparams
             state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
             num_local = shard.shard_index.shape[0]
+            if member_pbt is not None:
+                member_pbt = pbt.accumulate(member_pbt, metrics.episode_return_mean, metrics.episodes_completed)
+                state = state.replace(pbt=shards.copies(member_pbt, num_local))
             return state, shards.copies(metrics, num_local), shards.copies(all_finite(state.params), num_local)
 
-        return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
-                                      batch_members=self.batch_members)
+        if self.pbt is None:
+            return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
+                                          batch_members=self.batch_members)
+        learn_members = shards.over_leading_axis(learn, (2,), batched=self.batch_members)
+
+        def learn_and_exploit(state: TrainState, shard: ShardInputs, num_updates: jax.Array
+                              ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
+            state, metrics, finite = learn_members(state, shard, num_updates)
+            update_index = state.update_index[0, 0]
+            state = jax.lax.cond(self.pbt.due(update_index), lambda state: self._exploit(state, shard),
+                                 lambda state: state, state)
+            return state, metrics, finite
+
+        return sharding.shard_parallel(learn_and_exploit, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
+                                      over_members=False)
+
+    def _exploit(self, state: TrainState, shard: ShardInputs) -> TrainState:
+        """PBT's step on a device's members (leaves [members_per_device, shards_per_device, ...])."""
+        update_index = state.update_index[0, 0]
+        if self.pbt.fitness == "eval_return":
+            evaluate = shards.over_leading_axis(self._evaluate, (), batched=self.batch_members)
+            fitness = evaluate(state.params, state.obs_moments, state.update_index, shard).return_mean[:, 0]
+        else:
+            fitness = jax.vmap(jax.vmap(pbt.interval_fitness))(state.pbt)[:, 0]
+        carried = (state.params, state.opt_state, state.obs_moments, state.return_moments)
+        carried, pbt_state = pbt.exploit(self.pbt, carried, state.pbt, fitness, update_index)
+        params, opt_state, obs_moments, return_moments = carried
+        return state.replace(params=params, opt_state=opt_state, obs_moments=obs_moments,
+                             return_moments=return_moments, pbt=pbt_state)
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
         """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf per shard.
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
-        config, topology = self.config, self.topology
+        return sharding.shard_parallel(self._evaluate, self.mesh, batch_members=self.batch_members)
 
-        def evaluate(params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
-            params, obs_moments, update_index, seed = shards.one_copy((params, obs_moments, update_index, shard.seed))
-            eval_root = jax.random.fold_in(jax.random.key(seed), 3)
-            stats = evaluate_on_shards(
-                self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
-                config.eval.num_episodes, topology.num_shards, self.settings.shards, obs_moments,
-            )
-            return shards.copies(stats, shard.shard_index.shape[0])
-
-        return sharding.shard_parallel(evaluate, self.mesh, batch_members=self.batch_members)
+    def _evaluate(self, params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
+        """`eval_fn` on one member's shards of a device."""
+        params, obs_moments, update_index, seed = shards.one_copy((params, obs_moments, update_index, shard.seed))
+        eval_root = jax.random.fold_in(jax.random.key(seed), 3)
+        stats = evaluate_on_shards(
+            self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
+            self.config.eval.num_episodes, self.topology.num_shards, self.settings.shards, obs_moments,
+        )
+        return shards.copies(stats, shard.shard_index.shape[0])
 
     def final_evaluations(self, state: TrainState) -> list[EvalResult]:
         """Every member's final deterministic evaluation of its shard 0, on the host, one
@@ -195,6 +231,7 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
     hyperparameters at most) on `mesh`; compiles nothing. The experiment's config has
     `run.cpu_tuning` resolved for the mesh's devices."""
     config = cpu_tuning.resolve(config, mesh.devices.flat[0].platform)
+    pbt_settings = population_training(config, members, topology) if sharding.is_population(mesh) else None
     env = make_env(config.env.id, config.env.optimistic_reset_ratio)
     return Experiment(
         config=config,
@@ -205,13 +242,33 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
         network=make_actor_critic(config.network, env.spec,
                                   dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff"),
         settings=UpdateSettings.from_config(config, topology),
+        pbt=pbt_settings,
     )
+
+
+def population_training(config: Config, members: Sequence[Member], topology: Topology
+                        ) -> Optional[pbt.PBTSettings]:
+    """The population's PBT settings, None with pbt.every_updates 0; ConfigError for a
+    population of one."""
+    every = config.pbt.every_updates
+    if not every:
+        return None
+    if len(members) < 2:
+        raise ConfigError(f"pbt.every_updates={every} needs a population of at least 2 members to rank, this "
+                          f"sweep has {len(members)}; add seeds (--seeds) or grid values")
+    member_hyperparams = [{name: float(getattr(member.config.ppo, name))
+                           for name in PPOHyperparams.__dataclass_fields__} for member in members]
+    return pbt.PBTSettings.from_config(config.pbt, member_hyperparams, list(members[0].values),
+                                       topology.num_updates)
 
 
 def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
     """A single run: a population of one on a mesh over `devices` (default: every device
     of every process). Validates everything that needs the environment and the devices;
     compiles nothing. The experiment's config has train.num_shards resolved."""
+    if config.pbt.every_updates:
+        raise ConfigError(f"pbt.every_updates={config.pbt.every_updates} is for a sweep's population: a run trains "
+                          "one member; use python -m jaxddppo.sweep with a grid or --seeds")
     mesh = sharding.make_mesh(devices)
     topology = make_topology(config, num_devices=mesh.devices.size)
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))

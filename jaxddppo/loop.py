@@ -9,12 +9,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
-from jaxddppo import cpu_tuning, distributed, sharding, shards
+from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
 from jaxddppo.checkpoint import (
     PREEMPTED_EXIT_CODE,
     Checkpointer,
@@ -23,11 +23,18 @@ from jaxddppo.checkpoint import (
     SaveSchedule,
     StopSignals,
 )
+from jaxddppo.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
 from jaxddppo.config import ConfigError
-from jaxddppo.eval_episodes import EvalStats
 from jaxddppo.experiment import Experiment, Programs, compile_programs, update_count
-from jaxddppo.outputs import METRIC_FIELDS, MetricsSink, Progress, open_metrics_sink, truncate_metrics
-from jaxddppo.ppo import TrainState, UpdateMetrics
+from jaxddppo.outputs import (
+    PBT_FILE,
+    MetricsSink,
+    MetricsWriter,
+    Progress,
+    open_metrics_sink,
+    truncate_metrics,
+)
+from jaxddppo.ppo import TrainState
 from jaxddppo.run_dir import shared_run_dir, write_config
 from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
@@ -53,75 +60,17 @@ class TrainResult:
         return self.stopped_by not in (None, "stop_after_updates")
 
 
-class NonFiniteError(RuntimeError):
-    """Training produced NaN or Inf; the message names the update and the quantity."""
-
-
-def eval_fields(evaluation: Optional[EvalStats]) -> dict[str, Optional[float]]:
-    """The eval_* fields of a metrics row: null on rows without an evaluation."""
-    if evaluation is None:
-        return {"eval_return_mean": None, "eval_return_std": None, "eval_length_mean": None}
-    return {
-        "eval_return_mean": float(evaluation.return_mean),
-        "eval_return_std": float(evaluation.return_std),
-        "eval_length_mean": float(evaluation.length_mean),
-    }
-
-
-def metrics_rows(metrics: UpdateMetrics, first_update: int, env_steps_per_update: int,
-                 wall_seconds: float, evaluation: Optional[EvalStats] = None) -> list[dict]:
-    """One dict per update from the metrics of one chunk (host arrays [num_updates]);
-    `evaluation`, if any, ran after the chunk's last update and goes on its row."""
-    columns = {name: np.asarray(value, np.float64) for name, value in vars(metrics).items()}
-    rows = []
-    for offset in range(len(columns["policy_loss"])):
-        update = first_update + offset + 1
-        row: dict[str, Any] = {
-            "update": update,
-            "env_steps": update * env_steps_per_update,
-            "wall_seconds": round(wall_seconds, 3),
-        }
-        row.update({name: float(values[offset]) for name, values in columns.items()})
-        row["episodes_completed"] = int(row["episodes_completed"])
-        row.update(eval_fields(None))
-        rows.append(row)
-    if evaluation is not None:
-        rows[-1].update(eval_fields(evaluation))
-    assert set(rows[0]) == set(METRIC_FIELDS), "metrics.jsonl fields and their documentation differ"
-    return rows
-
-
-# Quantities that are finite in every healthy update (explained_variance and the
-# episode means are legitimately undefined sometimes).
-GUARDED_METRICS = ("policy_loss", "value_loss", "entropy", "approx_kl", "grad_norm")
-
-
-def first_non_finite(metrics: UpdateMetrics) -> Optional[tuple[int, str]]:
-    """(offset within the chunk, quantity) of the first NaN/Inf among the guarded metrics."""
-    for offset in range(len(np.asarray(metrics.policy_loss))):
-        for name in GUARDED_METRICS:
-            if not np.isfinite(np.asarray(getattr(metrics, name))[offset]):
-                return offset, name
-    return None
-
-
-def chunk_episode_return(metrics: UpdateMetrics) -> Optional[float]:
-    """Mean return over the episodes that ended in a chunk, weighted by their count."""
-    counts = np.asarray(metrics.episodes_completed, np.float64)
-    if counts.sum() == 0:
-        return None
-    returns = np.nan_to_num(np.asarray(metrics.episode_return_mean, np.float64))
-    return float((returns * counts).sum() / counts.sum())
-
-
-def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int) -> Iterator[int]:
+def chunk_plan(start: int, stop: int, updates_per_chunk: int, checkpoint_every: int,
+               pbt_every: int = 0) -> Iterator[int]:
     """Sizes of the chunks from update `start` to `stop`: cut at every multiple of
-    `updates_per_chunk` and of `checkpoint_every` (0: no checkpoint cuts)."""
+    `updates_per_chunk`, of `checkpoint_every` and of `pbt_every` (0: no such cuts), so that
+    a chunk ends where PBT exploits."""
     update = start
     while update < stop:
         boundary = min(stop, (update // updates_per_chunk + 1) * updates_per_chunk)
-        if checkpoint_every:
-            boundary = min(boundary, (update // checkpoint_every + 1) * checkpoint_every)
+        for every in (checkpoint_every, pbt_every):
+            if every:
+                boundary = min(boundary, (update // every + 1) * every)
         yield boundary - update
         update = boundary
 
@@ -143,36 +92,10 @@ class LoopOutputs:
     """Where the host loop reports and saves."""
 
     writer: Optional[MetricsSink]  # process 0 only
+    pbt_writer: Optional[MetricsSink]  # pbt.jsonl: process 0 of a population with PBT only
     progress: Progress
     checkpointer: Checkpointer
     signals: StopSignals
-
-
-def chunk_rows(experiment: Experiment, metrics: list[UpdateMetrics], first_update: int, wall_seconds: float,
-               evaluations: Optional[EvalStats]) -> list[dict]:
-    """The metrics rows of one chunk, member after member (`metrics`: host, one per member);
-    a sweep's rows lead with their member."""
-    rows = []
-    for member, member_metrics in enumerate(metrics):
-        evaluation = None if evaluations is None else jax.tree.map(lambda leaf: leaf[member], evaluations)
-        member_rows = metrics_rows(member_metrics, first_update, experiment.topology.env_steps_per_update,
-                                   wall_seconds, evaluation)
-        rows += [{"member": member, **row} for row in member_rows] if experiment.is_sweep else member_rows
-    return rows
-
-
-def check_finite(metrics: list[UpdateMetrics], params_finite: np.ndarray, first_update: int,
-                 name_members: bool) -> None:
-    """Raise NonFiniteError naming the member (in a sweep), the update and the quantity."""
-    for member, member_metrics in enumerate(metrics):
-        whose = f" of member {member}" if name_members else ""
-        bad = first_non_finite(member_metrics)
-        if bad is not None:
-            offset, name = bad
-            raise NonFiniteError(f"non-finite {name}{whose} at update {first_update + offset + 1}")
-        if not params_finite[member]:
-            size = len(np.asarray(member_metrics.policy_loss))
-            raise NonFiniteError(f"non-finite parameters{whose} after update {first_update + size}")
 
 
 def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
@@ -189,7 +112,8 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     for size in sizes:
         chunk_start = time.perf_counter()
         state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
-        metrics, params_finite = sharding.member_first_shards((metrics, params_finite), mesh)  # blocks
+        metrics, params_finite, exploits = sharding.member_first_shards(  # blocks
+            (metrics, params_finite, pbt_record(state)), mesh)
         per_member = [jax.tree.map(lambda column: column[member, :size], metrics) for member in range(num_members)]
         chunk_seconds = time.perf_counter() - chunk_start
         first_update, update = counters.update, counters.update + size
@@ -199,6 +123,8 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         if outputs.writer is not None:
             outputs.writer.write(chunk_rows(experiment, per_member, first_update,
                                             counters.train_seconds + chunk_seconds, evaluations))
+        if outputs.pbt_writer is not None:
+            outputs.pbt_writer.write(pbt.exploit_rows(update, exploits, experiment.pbt.reported))
         check_finite(per_member, params_finite, first_update, experiment.is_sweep)
         if config.debug.check_replicas:
             distributed.check_replicas(state.params, mesh, update)
@@ -223,6 +149,11 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         if stop is not None:
             return LoopResult(state, counters, saved_update, stop)
     return LoopResult(state, counters, saved_update, None)
+
+
+def pbt_record(state: TrainState) -> Optional[pbt.PBTState]:
+    """What the host reads of a population's PBT state after a chunk (its key stays on the devices)."""
+    return state.pbt.replace(key=None) if isinstance(state, pbt.PBTTrainState) else None
 
 
 def summarise(experiment: Experiment, trained: TrainResult) -> dict:
@@ -277,6 +208,8 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
             f"{counters.env_steps} env steps the checkpoint at update {counters.update} has done"
         )
     if jax.process_index() == 0:
+        if os.path.exists(os.path.join(run_dir, PBT_FILE)):
+            truncate_metrics(os.path.join(run_dir, PBT_FILE), counters.update)
         last_row = truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), counters.update)
         if last_row < counters.update:
             progress.message(f"warning: metrics.jsonl ends at update {last_row}, before the checkpoint's "
@@ -363,23 +296,44 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     compile_seconds = time.perf_counter() - compile_start
 
     writer = open_metrics_sink(session.run_dir, config.run.tensorboard) if is_writer else None
+    pbt_writer = open_pbt_log(experiment, session.run_dir, state, counters.update)
     try:
         with StopSignals(session.progress.message) as signals:
-            loop = train_chunks(experiment, state, programs, chunk_plan(*plan), counters,
-                                LoopOutputs(writer, session.progress, checkpointer, signals))
+            loop = train_chunks(experiment, state, programs, chunk_plan(*plan, config.pbt.every_updates), counters,
+                                LoopOutputs(writer, pbt_writer, session.progress, checkpointer, signals))
     except NonFiniteError as error:
         checkpointer.wait()
         raise NonFiniteError(f"{error}; stopped without saving it; "
                              f"{checkpointer.newest_intact(experiment.abstract_state())}") from None
     finally:
-        if writer is not None:
-            writer.close()
+        for sink in (writer, pbt_writer):
+            if sink is not None:
+                sink.close()
     state, counters = loop.state, loop.counters
     stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
     if counters.update not in (loop.saved_update, restored_update):
         checkpointer.save(state, counters)
     return TrainResult(summary=None, state=state, run_dir=session.run_dir, counters=counters,
                        compile_seconds=compile_seconds, stopped_by=stopped_by)
+
+
+def open_pbt_log(experiment: Experiment, run_dir: str, state: TrainState, update: int) -> Optional[MetricsWriter]:
+    """pbt.jsonl of a population with PBT, for process 0 (None elsewhere): a run starting
+    at update 0 writes it anew, every member's starting hyperparameters first; a resumed one
+    appends to the rows `restore_run` kept. A collective in a multi-process run."""
+    if experiment.pbt is None:
+        return None
+    record = sharding.member_first_shards(pbt_record(state), experiment.mesh) if update == 0 else None
+    if jax.process_index() != 0:
+        return None
+    path = os.path.join(run_dir, PBT_FILE)
+    if update == 0:
+        with open(path, "w"):
+            pass
+    writer = MetricsWriter(path)
+    if record is not None:
+        writer.write(pbt.initial_rows(record, experiment.pbt.reported))
+    return writer
 
 
 def command_exit_code(command: Callable[[], TrainResult]) -> int:

@@ -33,6 +33,19 @@ METRIC_FIELDS: dict[str, str] = {
     "eval_length_mean": "mean length of those episodes (null likewise)",
 }
 
+PBT_FILE = "pbt.jsonl"  # a population-based training sweep's exploits
+
+# Every field of a pbt.jsonl row, with its meaning (docs/sweeps.md documents each).
+PBT_FIELDS: dict[str, str] = {
+    "update": "the update after which the member exploited (0: the member's starting hyperparameters)",
+    "member": "the member that copied",
+    "copied_from": "the member whose parameters, optimizer state and normalisation statistics it took",
+    "fitness": "the copying member's fitness at the ranking",
+    "source_fitness": "the fitness of the member it copied",
+    "old": "the copying member's hyperparameters before (the swept keys and pbt.keys)",
+    "new": "its hyperparameters after: the copied member's, perturbed or resampled and clipped",
+}
+
 # metrics.jsonl fields that are not TensorBoard scalars: `env_steps` is their step.
 _NOT_SCALARS = ("member", "update", "env_steps")
 

@@ -4,7 +4,8 @@ A run's curve is the training episode return against env steps (from
 metrics.jsonl), its periodic evaluations as points with their standard
 deviation, and the final evaluation (from summary.json) as a star. A sweep's
 curves.png shows, per grid point, the mean training return over its seeds and a
-band of +-1 standard deviation (`plot_sweep`). `draw_curve` draws one curve with
+band of +-1 standard deviation (`plot_sweep`); a population-based training sweep's pbt.png
+shows each member's training return beside its hyperparameters' schedules (`plot_pbt`). `draw_curve` draws one curve with
 an optional band on any matplotlib Axes. Figures are built without pyplot, so nothing here
 changes a notebook's matplotlib backend.
 """
@@ -24,6 +25,8 @@ from jaxddppo.cli import OneLineParser
 
 CURVE_FILE = "learning_curve.png"
 SWEEP_CURVES_FILE = "curves.png"
+PBT_CURVES_FILE = "pbt.png"
+PBT_LOG = "pbt.jsonl"
 FIGURE_SIZE = (8.0, 5.0)  # inches
 DPI = 100
 
@@ -209,6 +212,57 @@ def plot_sweep(run_dir: str, groups: Sequence[int], labels: Mapping[int, str], t
     _save(figure, ax, title, "environment steps (per member)", handles, path)
 
 
+def hyperparameter_schedules(rows: list[dict]) -> dict[str, dict[int, list[tuple[int, float]]]]:
+    """From pbt.jsonl's rows: per hyperparameter, per member, its (update, value) changes in
+    update order, starting with update 0."""
+    schedules: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    for row in sorted(rows, key=lambda row: (row["update"], row["member"])):
+        for key, value in row["new"].items():
+            schedules.setdefault(key, {}).setdefault(row["member"], []).append((row["update"], value))
+    return schedules
+
+
+def plot_pbt(run_dir: str, path: str) -> None:
+    """A PBT sweep's figure: every member's training return against env steps (left) and,
+    beside it, each hyperparameter's value per member over the same steps (one panel per
+    key, log scale), from metrics.jsonl and pbt.jsonl."""
+    from matplotlib.figure import Figure
+
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    schedules = hyperparameter_schedules(read_metrics(os.path.join(run_dir, PBT_LOG)))
+    members = sorted({int(row.get("member", 0)) for row in rows})
+    steps_per_update = rows[0]["env_steps"] / rows[0]["update"]
+    last_update = max(row["update"] for row in rows)
+    figure = Figure(figsize=(FIGURE_SIZE[0] / 2 * (1 + len(schedules)), FIGURE_SIZE[1]), dpi=DPI)
+    axes = figure.subplots(1, 1 + len(schedules), squeeze=False)[0]
+    colors = {}
+    for member in members:
+        mine = [row for row in rows if int(row.get("member", 0)) == member]
+        returns, steps = _column(mine, "episode_return_mean"), _column(mine, "env_steps")
+        seen = np.isfinite(returns)
+        colors[member] = draw_curve(axes[0], steps[seen], returns[seen], label=f"member {member}")
+    axes[0].set_title("training return")
+    axes[0].set_xlabel("environment steps (per member)")
+    axes[0].set_ylabel("episode return")
+    for ax, (key, per_member) in zip(axes[1:], schedules.items()):
+        for member, changes in sorted(per_member.items()):
+            updates = [update for update, _ in changes] + [last_update]
+            values = [value for _, value in changes]
+            ax.step(np.array(updates) * steps_per_update, values + values[-1:], where="post",
+                    color=colors.get(member), linewidth=1.0)
+        ax.set_yscale("log")
+        ax.set_title(key)
+        ax.set_xlabel("environment steps (per member)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    if len(members) <= 16:
+        axes[0].legend(fontsize="x-small")
+    figure.tight_layout()
+    temporary = f"{path}.tmp"
+    figure.savefig(temporary, format="png")
+    os.replace(temporary, path)
+
+
 def save_learning_curve(run_dir: str) -> str:
     """Write `run_dir`/learning_curve.png from the run's own files; returns its path."""
     path = os.path.join(run_dir, CURVE_FILE)
@@ -220,12 +274,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(
         prog="python -m jaxddppo.plot",
         description="Draw the learning curves of one or more runs on one figure: training episode "
-        "return against env steps, evaluations marked.",
+        "return against env steps, evaluations marked. A population-based training sweep's directory (with "
+        f"{PBT_LOG}) gets {PBT_CURVES_FILE}: every member's training return beside its hyperparameters' schedules.",
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
     parser.add_argument("-o", "--output", help=f"PNG to write (default: RUN_DIR/{CURVE_FILE} for one run, "
                         "learning_curves.png in the current directory for several)")
     args = parser.parse_args(argv)
+    if len(args.run_dirs) == 1 and os.path.isfile(os.path.join(args.run_dirs[0], PBT_LOG)):
+        return _main_pbt(args.run_dirs[0], args.output or os.path.join(args.run_dirs[0], PBT_CURVES_FILE))
     output = args.output or (
         os.path.join(args.run_dirs[0], CURVE_FILE) if len(args.run_dirs) == 1 else "learning_curves.png"
     )
@@ -235,6 +292,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not os.path.isdir(output_dir):
             raise RunDirError(f"--output {output}: directory {output_dir} does not exist")
         plot_runs(runs, output)
+    except RunDirError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"error: {error.filename or output}: {error.strerror}", file=sys.stderr)
+        return 2
+    print(output)
+    return 0
+
+
+def _main_pbt(run_dir: str, output: str) -> int:
+    """A PBT sweep's figure (`plot_pbt`), or one line and exit code 2."""
+    try:
+        if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+            raise RunDirError(f"{run_dir} has no metrics.jsonl: not a jaxddppo run directory")
+        plot_pbt(run_dir, output)
     except RunDirError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

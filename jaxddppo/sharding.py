@@ -35,7 +35,8 @@ def shard_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, ...] = (),
-                   shared_argnums: tuple[int, ...] = (), batch_members: bool = True) -> Callable:
+                   shared_argnums: tuple[int, ...] = (), batch_members: bool = True,
+                   over_members: bool = True) -> Callable:
     """Compile `per_device` to run on every device of the mesh, on that device's shards.
 
     Every argument and result is a pytree whose leaves lead with the state axes of
@@ -47,12 +48,14 @@ def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, 
     collectives stay within its own shards), or with `batch_members=False` run one after
     another (`lax.map`): XLA compiles a batch of members otherwise than one member, in the
     last bits, and a member run in turn computes what its single run computes, bit for
-    bit (`train.batch_members`).
+    bit (`train.batch_members`). With `over_members=False`, `per_device` sees all of its
+    device's members at once (leaves [members_per_device, shards_per_device, ...]) and maps
+    over them itself: what a population-based training step across members needs.
     `check_vma=False` gives pmap semantics: `jax.grad` inside `per_device` is the local
     gradient, and `DeviceShards.mean` then averages it (with the default `check_vma=True`,
     grad would already sum over devices).
     """
-    if is_population(mesh):
+    if is_population(mesh) and over_members:
         per_device = over_leading_axis(per_device, shared_argnums, batched=batch_members)
     return _jit_over_mesh(per_device, mesh, state_spec(mesh), donate_argnums, shared_argnums)
 

@@ -8,7 +8,8 @@ with `DeviceShards.map` and reduces over all shards with `DeviceShards.sum`/`mea
 default the shards run one after another and sums add the shards in order of global shard
 index, so the results do not depend on how shards map to devices, bit for bit.
 
-A sweep's population adds a leading member axis, `MEMBER_AXIS`; members never communicate.
+A sweep's population adds a leading member axis, `MEMBER_AXIS`; members communicate only
+for population-based training (`all_members`, `local_members`).
 Other modules never name an axis: they call `DeviceShards`' methods. The update
 (`ppo.py`), the normalisers and the evaluation need this module alone; the mesh and the
 compile wrapper are `sharding.py`'s.
@@ -83,6 +84,19 @@ def one_copy(tree: Any) -> Any:
 def copies(tree: Any, shards_per_device: int) -> Any:
     """`tree` repeated for each of the device's shards: leaves [shards_per_device, ...]."""
     return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (shards_per_device, *jnp.shape(leaf))), tree)
+
+
+def all_members(tree: Any) -> Any:
+    """A population's per-member values gathered in member order: leaves
+    [members_per_device, ...] on each device in, [num_members, ...] out, the same on every
+    device (bits copied, nothing added)."""
+    return jax.tree.map(lambda leaf: jax.lax.all_gather(leaf, MEMBER_AXIS, tiled=True), tree)
+
+
+def local_members(tree: Any, members_per_device: int) -> Any:
+    """This device's members' rows of `tree`, whose leaves lead with [num_members]."""
+    start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
+    return jax.tree.map(lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, members_per_device), tree)
 
 
 def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:

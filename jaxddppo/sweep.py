@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxddppo import cpu_tuning, distributed, sharding, shards
+from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError
@@ -32,8 +32,8 @@ from jaxddppo.config_files import as_config, load_config, load_resume_config
 from jaxddppo.config_reference import help_text
 from jaxddppo.experiment import Experiment
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
-from jaxddppo.outputs import Progress, format_mean_std, format_return, json_safe, write_json
-from jaxddppo.plot import SWEEP_CURVES_FILE, plot_sweep
+from jaxddppo.outputs import PBT_FILE, Progress, format_mean_std, format_return, json_safe, write_json
+from jaxddppo.plot import PBT_CURVES_FILE, SWEEP_CURVES_FILE, plot_pbt, plot_sweep, read_metrics
 from jaxddppo.population import (
     SEED_KEY,
     SPEC_FILE,
@@ -86,9 +86,11 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
 
 
 def member_rows(population: Experiment, trained: TrainResult) -> list[dict]:
-    """The rows of sweep.csv: one per member."""
+    """The rows of sweep.csv: one per member; with PBT, each member's final hyperparameters,
+    exploits and lineage follow."""
     digests = sharding.params_digests(trained.state.params, population.mesh)
     evaluations = population.final_evaluations(trained.state)
+    pbt_columns = pbt_member_columns(population, trained)
     rows = []
     for member, evaluation in zip(population.members, evaluations):
         returns = np.asarray(evaluation.returns, np.float64)
@@ -101,8 +103,28 @@ def member_rows(population: Experiment, trained: TrainResult) -> list[dict]:
             "eval_return_mean": float(returns.mean()),
             "eval_return_std": float(returns.std()),
             "params_digest": digests[member.index],
+            **pbt_columns[member.index],
         })
     return rows
+
+
+def pbt_member_columns(population: Experiment, trained: TrainResult) -> list[dict]:
+    """Per member, the PBT columns of sweep.csv (none without PBT): `final_<key>` for each
+    hyperparameter pbt.jsonl reports, `exploits` and `lineage` (from pbt.jsonl; None on
+    processes that cannot read it)."""
+    settings, num_members = population.pbt, len(population.members)
+    if settings is None:
+        return [{} for _ in range(num_members)]
+    final = sharding.member_first_shards(trained.state.pbt.hyperparams, population.mesh)
+    path = os.path.join(trained.run_dir, PBT_FILE)
+    rows = read_metrics(path) if os.path.exists(path) else None
+    lineage = pbt.lineages(rows, num_members) if rows is not None else [None] * num_members
+    return [{
+        **{f"final_ppo.{name}": pbt.as_decimal(getattr(final, name)[member]) for name in settings.reported},
+        "exploits": None if rows is None else sum(row["member"] == member and row["copied_from"] is not None
+                                                  for row in rows),
+        "lineage": lineage[member],
+    } for member in range(num_members)]
 
 
 def setting_rows(population: Experiment, rows: list[dict]) -> list[dict]:
@@ -207,11 +229,14 @@ def _summary(population: Experiment, trained: TrainResult, best: dict) -> dict:
 
 
 def save_curves(population: Experiment, run_dir: str) -> None:
-    """curves.png: per grid point, the mean training return over its seeds and a +-1 std band."""
+    """curves.png: per grid point, the mean training return over its seeds and a +-1 std band;
+    with PBT also pbt.png, each member's return beside its hyperparameters' schedules."""
     labels = {member.setting: setting_label(member.values) for member in population.members}
     plot_sweep(run_dir, [member.setting for member in population.members], labels,
                f"{population.config.env.id}: {len(population.members)} members",
                os.path.join(run_dir, SWEEP_CURVES_FILE))
+    if population.pbt is not None:
+        plot_pbt(run_dir, os.path.join(run_dir, PBT_CURVES_FILE))
 
 
 def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,

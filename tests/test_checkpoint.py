@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -21,11 +22,12 @@ from conftest import host_leaves, small_config, subprocess_env
 
 from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
+from jaxddppo.chunk_metrics import NonFiniteError
 from jaxddppo.config import ConfigError
 from jaxddppo.config_files import load_config, load_resume_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.experiment import Experiment, all_finite, build, update_count
-from jaxddppo.loop import NonFiniteError, chunk_plan
+from jaxddppo.loop import chunk_plan
 from jaxddppo.normalization import normalize
 from jaxddppo.outputs import truncate_metrics
 from jaxddppo.policy import load_policy
@@ -35,6 +37,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
 # with both running statistics, so that they too must survive a resume exactly.
+# The fields of the state that checkpoint format 2 holds: a field added to every run's state
+# (as PBT's first was) would leave the checkpoints written before it unreadable.
+FORMAT_2_STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
+
+
+def test_a_run_saves_the_state_fields_of_checkpoint_format_2(tmp_path):
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:1])
+    metadata = json.loads(next((run_dir / "checkpoints").glob("*/state/_METADATA")).read_text())
+    assert {ast.literal_eval(path)[0] for path in metadata["tree_metadata"]} == FORMAT_2_STATE_FIELDS
+
+
 def metric_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

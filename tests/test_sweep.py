@@ -33,10 +33,10 @@ from matplotlib import image
 import jaxddppo
 from jaxddppo import cpu_tuning, sharding, topology
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo.chunk_metrics import NonFiniteError
 from jaxddppo.config import ConfigError
 from jaxddppo.config_files import from_dict, with_overrides
 from jaxddppo.experiment import Experiment
-from jaxddppo.loop import NonFiniteError
 from jaxddppo.population import expand_members, split_overrides
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, parse_args, resume_sweep
 from jaxddppo.train import run
