@@ -58,10 +58,11 @@ def _counters_record(counters: RunCounters) -> dict:
     return {**asdict(counters), _FORMAT_KEY: CHECKPOINT_FORMAT}
 
 
-def _digest(state: Any, counters_record: dict) -> dict:
+def _digest(state: Any, counters_record: dict, checksum: Optional[Callable] = None) -> dict:
     """What a checkpoint records of itself (`state` global, whole; a collective)."""
     counters_text = json.dumps(counters_record, sort_keys=True).encode()
-    return {"state": sharding.state_digest(state), "counters": hashlib.sha256(counters_text).hexdigest()[:16]}
+    return {"state": sharding.state_digest(state, checksum),
+            "counters": hashlib.sha256(counters_text).hexdigest()[:16]}
 
 
 def _everywhere(ok: bool) -> bool:
@@ -142,15 +143,16 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, state: Any, counters: RunCounters) -> None:
-        """Start saving; the digest is taken first, from the same arrays (a few ms)."""
+    def save(self, state: Any, counters: RunCounters, checksum: Optional[Callable] = None) -> None:
+        """Start saving; the digest is taken first, from the same arrays (a few ms), with
+        `checksum` (`Programs.checksum`) if given, else a program compiled at the first save."""
         record = _counters_record(counters)
         self._manager.save(
             counters.update,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(_without_empty_leaves(state)),
                 counters=ocp.args.JsonSave(record),
-                **{_DIGEST_ITEM: ocp.args.JsonSave(_digest(state, record))},
+                **{_DIGEST_ITEM: ocp.args.JsonSave(_digest(state, record, checksum))},
             ),
             force=True,
         )

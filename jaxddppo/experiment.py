@@ -288,12 +288,14 @@ def all_finite(tree: Any) -> jax.Array:
 class Programs:
     """Everything a population executes, compiled, and their traced inputs: the
     initialisation, the chunk of updates (`Experiment.learn_fn`, one program for chunks of
-    every length) and the periodic evaluation (None when `eval.every_updates` is 0)."""
+    every length), the periodic evaluation (None when `eval.every_updates` is 0) and the
+    checksums of a checkpoint's digest."""
 
     inputs: ShardInputs
     init: Callable[[ShardInputs], TrainState]
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
+    checksum: Callable[[TrainState], jax.Array]  # a checkpoint's digest (`sharding.shard_checksums`)
 
     def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
                        mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
@@ -307,8 +309,8 @@ class Programs:
 
 
 def compile_programs(experiment: Experiment) -> Programs:
-    """The initialisation, the chunk of updates and, if asked, the periodic evaluation,
-    lowered from the initialisation's output shapes alone (nothing runs before every
+    """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
+    the periodic evaluation, lowered from the initialisation's output shapes alone (nothing runs before every
     program is compiled). Each program compiles as soon as it is lowered, the longest
     first: XLA compiles without holding Python's GIL, so the next lowering runs beside
     it. With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply."""
@@ -320,6 +322,7 @@ def compile_programs(experiment: Experiment) -> Programs:
         lowerings["evaluate"] = lambda: experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, inputs
         )
+    lowerings["checksum"] = lambda: sharding.checksum_program(experiment.mesh).lower(state)
     lowerings["init"] = traced_init.lower
     platform = experiment.mesh.devices.flat[0].platform
     options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
@@ -328,7 +331,8 @@ def compile_programs(experiment: Experiment) -> Programs:
         futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
                    for name, lower in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
-    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"))
+    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
+                    checksum=compiled["checksum"])
 
 
 def final_eval_key(config: Config) -> jax.Array:

@@ -143,7 +143,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
                                 float(np.mean(known)) if known else None)
         stop, save_due = outputs.signals.agreed(schedule.due_by_time())
         if stop is not None or save_due or schedule.due_by_update(update):
-            outputs.checkpointer.save(state, counters)
+            outputs.checkpointer.save(state, counters, programs.checksum)
             schedule.saved()
             saved_update = update
         if stop is not None:
@@ -312,7 +312,7 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     state, counters = loop.state, loop.counters
     stopped_by = loop.stopped_by or ("stop_after_updates" if counters.update < topology.num_updates else None)
     if counters.update not in (loop.saved_update, restored_update):
-        checkpointer.save(state, counters)
+        checkpointer.save(state, counters, programs.checksum)
     return TrainResult(summary=None, state=state, run_dir=session.run_dir, counters=counters,
                        compile_seconds=compile_seconds, stopped_by=stopped_by)
 

@@ -243,26 +243,29 @@ def _as_uint64(lanes: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_checksum(mesh: Mesh) -> Callable:
+def checksum_program(mesh: Mesh) -> Callable:
+    """The program of `shard_checksums` on `mesh`, to call or to compile ahead of time."""
     return shard_parallel(per_shard(_bit_checksum), mesh)
 
 
-def shard_checksums(tree: Any, mesh: Mesh) -> np.ndarray:
+def shard_checksums(tree: Any, mesh: Mesh, checksum: Optional[Callable] = None) -> np.ndarray:
     """Every shard's `_bit_checksum` of a global state on `mesh` (leaves leading with the state
-    axes), computed where the shards lie and gathered: [..., num_shards] uint64 with the
-    state axes, the same on every process. A collective in a multi-process run."""
-    return _as_uint64(multihost_utils.process_allgather(_compiled_checksum(mesh)(tree), tiled=True))
+    axes), computed where the shards lie (by `checksum`, `checksum_program(mesh)` compiled
+    for the tree, if given) and gathered: [..., num_shards] uint64 with the state axes, the
+    same on every process. A collective in a multi-process run."""
+    checksums = (checksum or checksum_program(mesh))(tree)
+    return _as_uint64(multihost_utils.process_allgather(checksums, tiled=True))
 
 
-def state_digest(tree: Any) -> str:
+def state_digest(tree: Any, checksum: Optional[Callable] = None) -> str:
     """16 hex digits summing up every bit of every leaf of a global `tree`: of a state on a
-    training mesh (`shard_sharding`), its shards' checksums, so the digest does not depend on
-    the device or process count; of any other tree, one checksum of all of it. The same on
-    every process (a collective in a multi-process run)."""
+    training mesh (`shard_sharding`), its shards' checksums (see `shard_checksums`), so the
+    digest does not depend on the device or process count; of any other tree, one checksum
+    of all of it. The same on every process (a collective in a multi-process run)."""
     leaves = jax.tree.leaves(tree)
     placement = getattr(leaves[0], "sharding", None) if leaves else None
     if isinstance(placement, NamedSharding) and placement.spec == state_spec(placement.mesh):
-        checksums = shard_checksums(tree, placement.mesh)
+        checksums = shard_checksums(tree, placement.mesh, checksum)
     else:
         checksums = _as_uint64(jax.device_get(jax.jit(_bit_checksum)(tree)))
     return hashlib.sha256(np.ascontiguousarray(checksums, dtype="<u8").tobytes()).hexdigest()[:16]

@@ -116,7 +116,7 @@ def test_verify_lists_every_checkpoint_and_fails_on_a_damaged_newest(one_go, tmp
         f"{run_dir / 'checkpoints' / '12'}: damaged (its digest differs from the one recorded when it was saved)"]
 
 
-def save_without_digest(self, state, counters):
+def save_without_digest(self, state, counters, checksum=None):
     """Checkpointer.save as jaxddppo wrote checkpoints before digests."""
     ocp = checkpoint.ocp
     self._manager.save(counters.update, force=True, args=ocp.args.Composite(
@@ -149,9 +149,9 @@ def failing_save(code: int, at_update: int):
     does on a full disk (from its background thread, at the next wait)."""
     save = Checkpointer.save
 
-    def save_or_fail(self, state, counters):
+    def save_or_fail(self, state, counters, checksum=None):
         if counters.update != at_update:
-            return save(self, state, counters)
+            return save(self, state, counters, checksum)
         os.makedirs(os.path.join(self.directory, f"{at_update}.orbax-checkpoint-tmp", "state"))
         raise ValueError(f"RESOURCE_EXHAUSTED: Error writing local file \"{self.directory}/{at_update}"
                          f".orbax-checkpoint-tmp/state/_sharding\": {os.strerror(code)} [os_error_code='{code}']")
