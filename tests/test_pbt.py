@@ -212,6 +212,22 @@ def test_pbt_sweep_is_the_same_on_1_2_and_4_devices_and_resumes_bit_for_bit(one_
         assert other.members == one_device.members
 
 
+def test_eval_return_fitness_is_the_evaluation_of_batched_members(tmp_path):
+    """pbt.fitness=eval_return with the members batched: a copied member, which keeps its
+    state, ranked by the return that the periodic evaluation logs for it at that update."""
+    run_dir = tmp_path / "run"
+    config = with_overrides(from_dict(SMALL), {"run.dir": str(run_dir), "pbt.fitness": "eval_return",
+                                               "eval.every_updates": 8, "train.batch_members": True})
+    jaxddppo.run_sweep(config, GRID, devices=jax.devices()[:2])
+    logged = {(row["member"], row["update"]): row["eval_return_mean"] for row in without_wall_time(run_dir)
+              if row["eval_return_mean"] is not None}
+    exploits = [row for row in pbt_rows(run_dir) if row["update"] > 0]
+    assert exploits
+    for row in exploits:
+        assert row["source_fitness"] == pytest.approx(logged[(row["copied_from"], row["update"])], rel=1e-6)
+        assert row["source_fitness"] >= row["fitness"]
+
+
 def test_single_runs_and_populations_of_one_refuse_pbt(tmp_path):
     config = with_overrides(from_dict(SMALL), {"run.dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match=r"^pbt.every_updates=8 is for a sweep's population"):
