@@ -5,9 +5,9 @@ metrics.jsonl), its periodic evaluations as points with their standard
 deviation, and the final evaluation (from summary.json) as a star. A sweep's
 curves.png shows, per grid point, the mean training return over its seeds and a
 band of +-1 standard deviation (`plot_sweep`); a population-based training sweep's pbt.png
-shows each member's training return beside its hyperparameters' schedules (`plot_pbt`). `draw_curve` draws one curve with
-an optional band on any matplotlib Axes. Figures are built without pyplot, so nothing here
-changes a notebook's matplotlib backend.
+shows each member's training return beside its hyperparameters' schedules (`plot_pbt`).
+`draw_curve` draws one curve with an optional band on any matplotlib Axes. Figures are
+built without pyplot, so nothing here changes a notebook's matplotlib backend.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 import yaml
 
 from jaxddppo.cli import OneLineParser
+from jaxddppo.outputs import PBT_FILE
 
 CURVE_FILE = "learning_curve.png"
 SWEEP_CURVES_FILE = "curves.png"
 PBT_CURVES_FILE = "pbt.png"
-PBT_LOG = "pbt.jsonl"
 FIGURE_SIZE = (8.0, 5.0)  # inches
 DPI = 100
 
@@ -229,7 +229,7 @@ def plot_pbt(run_dir: str, path: str) -> None:
     from matplotlib.figure import Figure
 
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    schedules = hyperparameter_schedules(read_metrics(os.path.join(run_dir, PBT_LOG)))
+    schedules = hyperparameter_schedules(read_metrics(os.path.join(run_dir, PBT_FILE)))
     members = sorted({int(row.get("member", 0)) for row in rows})
     steps_per_update = rows[0]["env_steps"] / rows[0]["update"]
     last_update = max(row["update"] for row in rows)
@@ -275,13 +275,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="python -m jaxddppo.plot",
         description="Draw the learning curves of one or more runs on one figure: training episode "
         "return against env steps, evaluations marked. A population-based training sweep's directory (with "
-        f"{PBT_LOG}) gets {PBT_CURVES_FILE}: every member's training return beside its hyperparameters' schedules.",
+        f"{PBT_FILE}) gets {PBT_CURVES_FILE}: every member's training return beside its hyperparameters' schedules.",
     )
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run directory (holding metrics.jsonl)")
     parser.add_argument("-o", "--output", help=f"PNG to write (default: RUN_DIR/{CURVE_FILE} for one run, "
                         "learning_curves.png in the current directory for several)")
     args = parser.parse_args(argv)
-    if len(args.run_dirs) == 1 and os.path.isfile(os.path.join(args.run_dirs[0], PBT_LOG)):
+    if len(args.run_dirs) == 1 and os.path.isfile(os.path.join(args.run_dirs[0], PBT_FILE)):
         return _main_pbt(args.run_dirs[0], args.output or os.path.join(args.run_dirs[0], PBT_CURVES_FILE))
     output = args.output or (
         os.path.join(args.run_dirs[0], CURVE_FILE) if len(args.run_dirs) == 1 else "learning_curves.png"
