@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -282,16 +282,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "learning_curves.png in the current directory for several)")
     args = parser.parse_args(argv)
     if len(args.run_dirs) == 1 and os.path.isfile(os.path.join(args.run_dirs[0], PBT_FILE)):
-        return _main_pbt(args.run_dirs[0], args.output or os.path.join(args.run_dirs[0], PBT_CURVES_FILE))
+        run_dir = args.run_dirs[0]
+        return _draw(args.output or os.path.join(run_dir, PBT_CURVES_FILE), lambda output: _draw_pbt(run_dir, output))
     output = args.output or (
         os.path.join(args.run_dirs[0], CURVE_FILE) if len(args.run_dirs) == 1 else "learning_curves.png"
     )
+    return _draw(output, lambda output: _draw_runs(args.run_dirs, output))
+
+
+def _draw(output: str, draw: Callable[[str], None]) -> int:
+    """`draw(output)`, then the figure's path on stdout; or one line and exit code 2."""
     try:
-        runs = [load_run(run_dir) for run_dir in args.run_dirs]
-        output_dir = os.path.dirname(output) or "."
-        if not os.path.isdir(output_dir):
-            raise RunDirError(f"--output {output}: directory {output_dir} does not exist")
-        plot_runs(runs, output)
+        draw(output)
     except RunDirError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -302,20 +304,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _main_pbt(run_dir: str, output: str) -> int:
-    """A PBT sweep's figure (`plot_pbt`), or one line and exit code 2."""
-    try:
-        if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-            raise RunDirError(f"{run_dir} has no metrics.jsonl: not a jaxddppo run directory")
-        plot_pbt(run_dir, output)
-    except RunDirError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:
-        print(f"error: {error.filename or output}: {error.strerror}", file=sys.stderr)
-        return 2
-    print(output)
-    return 0
+def _draw_runs(run_dirs: Sequence[str], output: str) -> None:
+    runs = [load_run(run_dir) for run_dir in run_dirs]
+    output_dir = os.path.dirname(output) or "."
+    if not os.path.isdir(output_dir):
+        raise RunDirError(f"--output {output}: directory {output_dir} does not exist")
+    plot_runs(runs, output)
+
+
+def _draw_pbt(run_dir: str, output: str) -> None:
+    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        raise RunDirError(f"{run_dir} has no metrics.jsonl: not a jaxddppo run directory")
+    plot_pbt(run_dir, output)
 
 
 if __name__ == "__main__":
