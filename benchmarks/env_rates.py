@@ -9,6 +9,9 @@
   batch_vmapped
             `BatchedEnv` under `vmap`, the environments split into `GROUPS` groups (how a
             batched sweep's members and a device's batched shards step)
+  brax      with `--with-brax`, for a `playground:` id: the same task through Playground's
+            `wrap_for_brax_training`, as Brax PPO steps it (restarts from each environment's
+            cached first state), with the same random actions
 
 All three run in one process, alternating over rounds, each timed over whole scans of
 `num_steps` steps until every environment has taken at least `steps_per_env` steps (by
@@ -76,7 +79,31 @@ def batch_scan(env: BatchedEnv, num_steps: int) -> Callable:
     return scan
 
 
-def initial_carries(env: BatchedEnv, num_envs: int) -> dict[str, tuple[Callable, Any]]:
+def brax_contender(env: BatchedEnv, num_envs: int) -> tuple[Callable, Any]:
+    """A scan maker and first state of the Playground task behind `env` as Brax's training steps it."""
+    from mujoco_playground import wrapper
+
+    core = env.core
+    brax_env = wrapper.wrap_for_brax_training(core.env, episode_length=core.episode_length,
+                                              action_repeat=core.action_repeat)
+
+    def make_scan(unused_env: BatchedEnv, num_steps: int) -> Callable:
+        def one(state: Any, step_key: jax.Array) -> tuple[Any, jax.Array]:
+            actions = jax.random.uniform(step_key, (num_envs, brax_env.action_size), minval=-1.0, maxval=1.0)
+            state = brax_env.step(state, actions)
+            return state, state.reward.sum()
+
+        def scan(key: jax.Array, state: Any) -> tuple[Any, jax.Array]:
+            state, rewards = jax.lax.scan(one, state, jax.random.split(key, num_steps))
+            return state, rewards.sum()
+
+        return scan
+
+    first = jax.jit(brax_env.reset)(jax.random.split(jax.random.PRNGKey(0), num_envs))
+    return make_scan, first
+
+
+def initial_carries(env: BatchedEnv, num_envs: int, with_brax: bool = False) -> dict[str, tuple[Callable, Any]]:
     """Each contender's jitted scan maker and first carry."""
     key = jax.random.key(0)
     # Jitted: eagerly, a reset that settles a body over many physics steps dispatches each
@@ -85,11 +112,14 @@ def initial_carries(env: BatchedEnv, num_envs: int) -> dict[str, tuple[Callable,
     core_obs, core_state = jax.jit(lambda key: env.reset(key, num_envs, auto_reset=False))(key)
     groups = jax.random.split(key, GROUPS)
     grouped = jax.jit(jax.vmap(lambda group_key: env.reset(group_key, num_envs // GROUPS)))(groups)
-    return {
+    contenders = {
         "core": (core_scan, (core_obs, core_state.env_state)),
         "batch": (batch_scan, (obs, state)),
         "batch_vmapped": (lambda env, steps: _vmapped(batch_scan(env, steps)), grouped),
     }
+    if with_brax:
+        contenders["brax"] = brax_contender(env, num_envs)
+    return contenders
 
 
 def _vmapped(scan: Callable) -> Callable:
@@ -101,16 +131,17 @@ def _vmapped(scan: Callable) -> Callable:
 
 
 def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, steps_per_env: int = 0,
-                  optimistic_reset_ratio: int = 1) -> dict[str, Any]:
+                  optimistic_reset_ratio: int = 1, start_states: str = "fresh",
+                  with_brax: bool = False) -> dict[str, Any]:
     """Steps/s of each contender (medians over `rounds`), their compile seconds, and the
     ratios to the core's rate."""
     if num_envs % GROUPS:
         raise ValueError(f"num_envs={num_envs} must be a multiple of {GROUPS} (the vmapped groups)")
-    env = make_env(env_id, optimistic_reset_ratio)
+    env = make_env(env_id, optimistic_reset_ratio, start_states)
     steps_per_env = steps_per_env or default_steps_per_env(env, num_steps)
     scans_per_round = -(-steps_per_env // num_steps)
     compiled, carries, compile_seconds = {}, {}, {}
-    for name, (make_scan, carry) in initial_carries(env, num_envs).items():
+    for name, (make_scan, carry) in initial_carries(env, num_envs, with_brax).items():
         function = jax.jit(make_scan(env, num_steps))
         start = time.perf_counter()
         carry, total = function(jax.random.key(1), strongly_typed(carry))
@@ -135,10 +166,12 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
             rates[name].append(num_envs * num_steps * scans_per_round / seconds)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     return {
-        "env_id": env_id, "num_envs": num_envs, "num_steps": num_steps, "steps_per_env": scans_per_round * num_steps,
+        "env_id": env_id, "num_envs": num_envs, "num_steps": num_steps, "start_states": start_states,
+        "steps_per_env": scans_per_round * num_steps,
         "steps_per_second": medians, "rounds": rates, "compile_seconds": compile_seconds,
         "batch_over_core": medians["batch"] / medians["core"],
         "batch_vmapped_over_core": medians["batch_vmapped"] / medians["core"],
+        **({"brax_over_core": medians["brax"] / medians["core"]} if with_brax else {}),
     }
 
 
@@ -154,18 +187,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps-per-env", type=int, default=0,
                         help="steps each environment takes per round (default: two episodes of the time limit)")
     parser.add_argument("--optimistic-reset-ratio", type=int, default=1, help="env.optimistic_reset_ratio (default 1)")
+    parser.add_argument("--start-states", choices=("fresh", "first"), default="fresh",
+                        help="env.start_states (default fresh)")
+    parser.add_argument("--with-brax", action="store_true",
+                        help="also step a playground: task as Brax PPO does (Playground's training wrapper)")
     parser.add_argument("--out", help="write the result as JSON to this file")
     args = parser.parse_args(argv)
     if args.num_envs < GROUPS or args.num_envs % GROUPS:
         parser.error(f"--num-envs={args.num_envs} must be a positive multiple of {GROUPS}")
+    if args.with_brax and not args.env_id.startswith("playground:"):
+        parser.error(f"--with-brax needs a playground: id, not {args.env_id!r}")
     if min(args.num_steps, args.rounds) < 1 or args.steps_per_env < 0:
         parser.error("--num-steps and --rounds must be at least 1, --steps-per-env at least 0")
     result = measure_rates(args.env_id, args.num_envs, args.num_steps, args.rounds, args.steps_per_env,
-                           args.optimistic_reset_ratio)
+                           args.optimistic_reset_ratio, args.start_states, args.with_brax)
     rates = result["steps_per_second"]
     print(f"{args.env_id}, {args.num_envs} envs, {result['steps_per_env']} steps each per round: core "
           f"{rates['core']:,.0f} steps/s, BatchedEnv {rates['batch']:,.0f} ({result['batch_over_core']:.2f}x), "
-          f"vmapped in {GROUPS} groups {rates['batch_vmapped']:,.0f} ({result['batch_vmapped_over_core']:.2f}x)")
+          f"vmapped in {GROUPS} groups {rates['batch_vmapped']:,.0f} ({result['batch_vmapped_over_core']:.2f}x)"
+          + (f", Brax's training env {rates['brax']:,.0f} ({result['brax_over_core']:.2f}x)" if args.with_brax else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

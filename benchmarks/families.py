@@ -6,9 +6,10 @@ For each experiment config (an `env.id` of any family, see docs/environments.md)
                     vmapped, with uniformly random (legal) actions, in one jitted `lax.scan`
                     of `ppo.num_steps` steps, no resets (benchmarks/env_rates.py)
   batch / core      the same steps through the trainer's auto-resetting `envs.BatchedEnv`
-                    (`env.optimistic_reset_ratio` as configured), and through it under `vmap`
-                    in 4 groups (as a batched sweep's members or a device's batched shards
-                    step), against the core: what restarts and episode statistics cost. Both
+                    (`env.optimistic_reset_ratio` and `env.start_states` as configured),
+                    and through it under `vmap` in 4 groups (as a batched sweep's members or a
+                    device's batched shards step), against the core: what restarts and episode
+                    statistics cost. Both
                     in the core's process, alternating, each over two episodes of the time limit
   train steps/s     `python -m jaxddppo.train` on the same config with `train.num_shards=2`,
                     on 1 and on 2 CPU devices (`run.cpu_devices`): steady state after the first
@@ -47,7 +48,8 @@ def env_rates(config_path: str) -> dict[str, Any]:
 
     config = load_config(config_path)
     return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps,
-                         optimistic_reset_ratio=config.env.optimistic_reset_ratio)
+                         optimistic_reset_ratio=config.env.optimistic_reset_ratio,
+                         start_states=config.env.start_states)
 
 
 def run_rates(config_path: str, scratch: Path, timeout: float) -> dict[str, Any]:

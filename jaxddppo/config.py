@@ -26,6 +26,10 @@ def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> 
     return field(default=default, metadata=metadata)
 
 
+# Where an episode restarts: a fresh state from the reset pool, or the environment's own first state.
+START_STATES = ("fresh", "first")
+
+
 @dataclass(frozen=True)
 class EnvConfig:
     """The environment and how many run at once."""
@@ -39,6 +43,12 @@ class EnvConfig:
         1, "the reset pool holds num_envs/num_shards/r fresh start states per shard, refilled when used up; 1: one "
         "per environment, every episode starts from its own; r > 1: less memory, and environments beyond the "
         "pool's size that finish on one step share states"
+    )
+    start_states: str = _opt(
+        "fresh", "fresh: every episode starts from a fresh state of the core's reset (the reset pool); first: each "
+        "environment restarts every episode from its own first state, as Brax's auto-reset does: no reset work "
+        "after the first, but only num_envs distinct starts in the whole run (see docs/environments.md)",
+        choices=START_STATES,
     )
     normalize_observations: bool = _opt(
         False, "normalise observations by a running mean and variance over all shards' rollouts"
@@ -285,6 +295,9 @@ def validate(config: Config) -> None:
     ]
     for key, value in positive_ints:
         _check(value >= 1, key, value, "must be at least 1")
+    if config.env.start_states == "first":
+        _check(config.env.optimistic_reset_ratio == 1, "env.optimistic_reset_ratio", config.env.optimistic_reset_ratio,
+               "sizes the pool of fresh states, which env.start_states=first does not keep: leave it at 1")
     if config.train.num_shards is not None:
         _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
                "must be at least 1 (or left unset for one shard per device)")

@@ -232,7 +232,7 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
     `run.cpu_tuning` resolved for the mesh's devices."""
     config = cpu_tuning.resolve(config, mesh.devices.flat[0].platform)
     pbt_settings = population_training(config, members, topology) if sharding.is_population(mesh) else None
-    env = make_env(config.env.id, config.env.optimistic_reset_ratio)
+    env = make_env(config.env.id, config.env.optimistic_reset_ratio, config.env.start_states)
     return Experiment(
         config=config,
         members=tuple(members),

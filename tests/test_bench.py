@@ -328,6 +328,18 @@ def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
         env_rates.measure_rates("Pendulum-v1", 6, 5)
 
 
+def test_env_rates_step_first_start_states_and_refuse_brax_for_other_families(capsys):
+    result = env_rates.measure_rates("CartPole-v1", 8, 5, rounds=1, steps_per_env=40, start_states="first")
+    assert result["start_states"] == "first" and "brax_over_core" not in result
+    assert all(rate > 0 for rate in result["steps_per_second"].values())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        env_rates.main(["CartPole-v1", "--with-brax"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --with-brax needs a playground: id, not 'CartPole-v1' (see --help)"]
+
+
 def test_env_rates_default_window_covers_two_episodes_of_the_time_limit():
     from jaxddppo.envs import make_env
 

@@ -192,6 +192,9 @@ BAD_INPUTS = [
     ("eval_off_chunk_boundaries", ["eval.every_updates=3", "train.updates_per_chunk=2"], {},
      ["eval.every_updates", "3", "train.updates_per_chunk", "2"]),
     ("invalid_recurrent_core", ["network.recurrent=rnn"], {}, ["network.recurrent", "rnn", "gru", "lstm"]),
+    ("invalid_start_states", ["env.start_states=cached"], {}, ["env.start_states", "cached", "fresh", "first"]),
+    ("first_start_states_with_a_pool_ratio", ["env.start_states=first", "env.optimistic_reset_ratio=4"], {},
+     ["env.optimistic_reset_ratio", "4", "env.start_states=first"]),
     # 6 envs x 128 steps split into 4 minibatches of samples, but not into 4 of whole sequences.
     ("sequences_not_divisible_by_minibatches",
      ["network.recurrent=gru", "env.num_envs=6", "ppo.num_minibatches=4"], {},

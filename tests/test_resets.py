@@ -2,7 +2,9 @@
 
 A stand-in environment counts the executions of its `reset` through `io_callback`: a step
 on which no episode ends must run none, and every episode must start from a fresh state
-of its own, alone, under `vmap` (batched members and shards) and nested `vmap`.
+of its own, alone, under `vmap` (batched members and shards) and nested `vmap`. With
+`start_states="first"` no step runs a reset, and each environment restarts from its own
+first state.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental import io_callback
 
+from jaxddppo.config import ConfigError
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
 from jaxddppo.envs.resets import update_if_any
@@ -115,6 +118,30 @@ def test_a_smaller_pool_shares_slots_only_when_more_episodes_end_than_it_holds()
     assert starts[0] != starts[1]
 
 
+def test_first_start_states_restart_each_environment_from_its_own_first_state_without_resets():
+    core = CountedResets(2, 6)
+    observations, dones, resets = run_steps(BatchedEnv(core, start_states="first"), 30)
+    assert core.resets == NUM_ENVS  # the first reset's, none after
+    assert not resets.any()
+    first = observations[0]
+    assert len(np.unique(first[:, 1])) == NUM_ENVS
+    assert int(dones.sum()) > 2 * NUM_ENVS
+    for step_index in range(dones.shape[0]):
+        ended = dones[step_index]
+        np.testing.assert_array_equal(observations[step_index + 1][ended], first[ended])
+        running = observations[step_index + 1][~ended]
+        np.testing.assert_array_equal(running[:, 0], observations[step_index][~ended, 0] - 1)
+    # Each environment's episodes repeat its first one's length.
+    for env_index in range(NUM_ENVS):
+        ends = np.flatnonzero(dones[:, env_index])
+        np.testing.assert_array_equal(np.diff(ends), np.full(len(ends) - 1, int(first[env_index, 0])))
+
+
+def test_an_unknown_start_states_value_is_refused():
+    with pytest.raises(ConfigError, match="env.start_states='cached' is invalid: must be one of fresh, first"):
+        BatchedEnv(CountedResets(2, 2), start_states="cached")
+
+
 def batched_steps(env: BatchedEnv, keys: jax.Array, num_steps: int):
     """`num_steps` steps of every member (leading axis of `keys`), batched with `vmap`."""
 
@@ -143,6 +170,17 @@ def test_batched_members_reset_only_when_one_of_them_needs_it_and_each_as_alone(
     for member in range(2):
         alone_obs, alone_done = batched_steps(env, keys[member:member + 1], 3)
         np.testing.assert_array_equal(batched_obs[member], alone_obs[0])
+
+
+def test_batched_members_restart_from_their_own_first_states_each_as_alone():
+    env = BatchedEnv(CountedResets(2, 5), start_states="first")
+    keys = jax.random.split(jax.random.key(5), 3)
+    batched_obs, batched_done = batched_steps(env, keys, 12)
+    assert batched_done.any() and not batched_done.all()
+    for member in range(3):
+        alone_obs, _ = batched_steps(env, keys[member:member + 1], 12)
+        np.testing.assert_array_equal(batched_obs[member], alone_obs[0])
+    assert not np.array_equal(batched_obs[0], batched_obs[1])
 
 
 @pytest.mark.parametrize("batch_shape", [(3,), (2, 3)])

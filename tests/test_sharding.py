@@ -182,6 +182,17 @@ def test_continuous_and_recurrent_runs_are_bit_identical_on_one_and_four_devices
         np.testing.assert_array_equal(got, want)
 
 
+def test_restarts_from_first_states_are_bit_identical_on_one_and_four_devices():
+    """env.start_states=first: CartPole's episodes end within the updates, each environment
+    restarting from its own first state, the same on any device count."""
+    config = with_overrides(invariance_config(), {"env.start_states": "first", "train.total_env_steps": 8 * 16 * 2})
+    on_four, on_one = learnt_on(config, 4), learnt_on(config, 1)
+    for got, want in zip(on_four, on_one, strict=True):
+        np.testing.assert_array_equal(got, want)
+    fresh = learnt_on(with_overrides(config, {"env.start_states": "fresh"}), 1)
+    assert any(not np.array_equal(got, want) for got, want in zip(on_one, fresh))
+
+
 def test_exact_reductions_loop_over_shards_only_where_there_are_several():
     """A run of one shard has one order: it runs its update unlooped either way."""
     for num_shards, exact in ((1, False), (2, True), (4, True)):

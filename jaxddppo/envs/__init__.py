@@ -68,6 +68,6 @@ def make_core(env_id: str) -> EnvCore:
     return module.make_core(name, env_id)
 
 
-def make_env(env_id: str, optimistic_reset_ratio: int = 1) -> BatchedEnv:
+def make_env(env_id: str, optimistic_reset_ratio: int = 1, start_states: str = "fresh") -> BatchedEnv:
     """The batched, auto-resetting environment for `env_id`."""
-    return BatchedEnv(make_core(env_id), optimistic_reset_ratio)
+    return BatchedEnv(make_core(env_id), optimistic_reset_ratio, start_states)

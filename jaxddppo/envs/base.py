@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.config import ConfigError
-from jaxddppo.envs.resets import ResetPool, empty_pool, restart_finished
+from jaxddppo.config import START_STATES, ConfigError
+from jaxddppo.envs.resets import ResetPool, empty_pool, first_states_pool, restart_finished, restart_from_first
 
 
 @dataclass(frozen=True)
@@ -121,14 +121,19 @@ class BatchedEnv:
     ratio 1 it holds one per environment and every episode starts from a state of its own.
     A larger ratio keeps a smaller pool (less memory, more frequent and smaller refills);
     when more environments finish on one step than it holds, some start from the same state.
+    With `start_states="first"` the pool holds each environment's own first state instead,
+    and every episode of an environment restarts from it: no reset work after the first.
     """
 
-    def __init__(self, core: EnvCore, optimistic_reset_ratio: int = 1):
+    def __init__(self, core: EnvCore, optimistic_reset_ratio: int = 1, start_states: str = "fresh"):
         if optimistic_reset_ratio < 1:
             raise ConfigError(f"env.optimistic_reset_ratio={optimistic_reset_ratio} must be at least 1")
+        if start_states not in START_STATES:
+            raise ConfigError(f"env.start_states={start_states!r} is invalid: must be one of {', '.join(START_STATES)}")
         self.core = core
         self.spec = core.spec
         self.optimistic_reset_ratio = optimistic_reset_ratio
+        self.start_states = start_states
 
     def _reset_batch(self, keys: jax.Array) -> tuple[Any, Any]:
         obs, env_state = jax.vmap(self.core.reset)(keys)
@@ -140,7 +145,9 @@ class BatchedEnv:
         obs, env_state = self._reset_batch(jax.random.split(key, num_envs))
         zeros = jnp.zeros((num_envs,), jnp.float32)
         pool = None
-        if auto_reset:
+        if auto_reset and self.start_states == "first":
+            pool = first_states_pool(obs, env_state)
+        elif auto_reset:
             pool = empty_pool(obs, env_state, max(1, num_envs // self.optimistic_reset_ratio))
         return obs, EpisodeState(env_state, zeros, jnp.zeros((num_envs,), jnp.int32), pool)
 
@@ -163,8 +170,12 @@ class BatchedEnv:
             raise ValueError("this EpisodeState has no reset pool: make it with reset(..., auto_reset=True)")
         new_state, result = self._step_episodes(keys[:, 0], state, action)
         done = jnp.logical_or(result.terminated, result.truncated)
-        pool, obs, env_state = restart_finished(self._reset_batch, state.reset_pool, keys[:, 1], done,
-                                                result.final_obs, new_state.env_state)
+        if self.start_states == "first":
+            pool = state.reset_pool
+            obs, env_state = restart_from_first(pool, done, result.final_obs, new_state.env_state)
+        else:
+            pool, obs, env_state = restart_finished(self._reset_batch, state.reset_pool, keys[:, 1], done,
+                                                    result.final_obs, new_state.env_state)
         new_state = new_state.replace(env_state=env_state, reset_pool=pool)
         return new_state, result.replace(obs=obs)
 

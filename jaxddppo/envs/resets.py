@@ -11,6 +11,10 @@ steps) is latency paid per call, few large refills beat many small ones.
 Both decisions are `update_if_any`: a branch that stays a branch under `vmap` (batched
 sweep members, batched shards), taken when any member of the batch needs it. A plain
 `lax.cond` under `vmap` becomes a `select` that computes both sides.
+
+Opt-in (`env.start_states=first`): the pool holds each environment's own first state and
+is never refilled; an environment whose episode ends restarts from it (Brax's auto-reset).
+No reset work after the first, but every episode of an environment starts the same way.
 """
 
 from __future__ import annotations
@@ -120,6 +124,24 @@ def restart_finished(
 
     pool, _, _, obs, state = update_if_any(jnp.any(done), restart, (pool, reset_keys, done, obs, state))
     return pool, obs, state
+
+
+def first_states_pool(obs: Any, state: Any) -> ResetPool:
+    """The pool of `restart_from_first`: slot i holds environment i's first (obs, state);
+    `next_slot` is unused."""
+    return ResetPool(obs=obs, state=state, next_slot=jnp.zeros((), jnp.int32))
+
+
+def restart_from_first(pool: ResetPool, done: jax.Array, obs: Any, state: Any) -> tuple[Any, Any]:
+    """(obs, state) after the environments where `done` [B] restart from their own first
+    state (slot i of a `first_states_pool`, for environment i); no reset is computed."""
+
+    def restart(operands: tuple[ResetPool, jax.Array, Any, Any]) -> tuple[ResetPool, jax.Array, Any, Any]:
+        pool, done, obs, state = operands
+        return pool, done, _where(done, pool.obs, obs), _where(done, pool.state, state)
+
+    _, _, obs, state = update_if_any(jnp.any(done), restart, (pool, done, obs, state))
+    return obs, state
 
 
 def _refill(reset_batch: Callable[[jax.Array], tuple[Any, Any]]
