@@ -13,7 +13,7 @@
             `wrap_for_brax_training`, as Brax PPO steps it (restarts from each environment's
             cached first state), with the same random actions
 
-All three run in one process, alternating over rounds, each timed over whole scans of
+All run in one process, alternating over rounds, each timed over whole scans of
 `num_steps` steps until every environment has taken at least `steps_per_env` steps (by
 default two episodes of the environment's time limit, so restarts are inside the window).
 Used by families.py and gpu.py; nothing in jaxddppo imports it.
@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxddppo.config import START_STATES
 from jaxddppo.envs import BatchedEnv, batch_size, make_env
 from jaxddppo.envs.base import float_observation, random_actions, strongly_typed
 
@@ -187,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps-per-env", type=int, default=0,
                         help="steps each environment takes per round (default: two episodes of the time limit)")
     parser.add_argument("--optimistic-reset-ratio", type=int, default=1, help="env.optimistic_reset_ratio (default 1)")
-    parser.add_argument("--start-states", choices=("fresh", "first"), default="fresh",
+    parser.add_argument("--start-states", choices=START_STATES, default="fresh",
                         help="env.start_states (default fresh)")
     parser.add_argument("--with-brax", action="store_true",
                         help="also step a playground: task as Brax PPO does (Playground's training wrapper)")
