@@ -42,6 +42,7 @@ import yaml
 from bench import (CPU_DEVICE_COUNT_FLAG, EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, BenchError, OneLineParser,
                    REPO_ROOT, cpu_description, machine_description, names, output_tail, read_cpuinfo, revision,
                    run_process, steady_state, versions_of)
+from jaxddppo.config import START_STATES
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 BRAX_PEER_SCRIPT = BENCHMARKS_DIR / "brax_peer.py"
@@ -110,7 +111,8 @@ def jaxddppo_config(task: str, spec: Mapping[str, Any], seed: int, run_dir: Path
     final evaluation only."""
     return {
         "env": {"id": f"playground:{task}", "num_envs": spec["num_envs"],
-                "normalize_observations": spec["normalize_observations"], "scale_rewards": False},
+                "normalize_observations": spec["normalize_observations"], "scale_rewards": False,
+                "start_states": spec.get("start_states", "fresh")},
         "network": {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"]},
         "ppo": {
             "num_steps": spec["num_steps"], "num_epochs": spec["num_epochs"],
@@ -295,6 +297,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--total-env-steps", type=int, metavar="N",
                         help="override every task's env steps (rounded up to whole updates, split evenly over "
                         "Brax's training calls), e.g. for a quick check")
+    parser.add_argument("--start-states", choices=START_STATES, default="fresh",
+                        help="jaxddppo's env.start_states (default fresh; first restarts as Brax does)")
     parser.add_argument("--out", metavar="FILE", help="write the raw measurements and the table as JSON to FILE")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per trial (default 1200)")
     args = parser.parse_args(argv)
@@ -323,7 +327,8 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
 
 def task_specs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     total = args.total_env_steps
-    return {task: with_total(TASKS[task], total if total is not None else TASKS[task]["total_env_steps"])
+    return {task: {**with_total(TASKS[task], total if total is not None else TASKS[task]["total_env_steps"]),
+                   "start_states": args.start_states}
             for task in args.tasks}
 
 

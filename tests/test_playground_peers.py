@@ -70,6 +70,9 @@ def test_defaults_and_budgets():
     assert peers.task_specs(peers.parse_args(["--total-env-steps", "1"]))["CheetahRun"]["total_env_steps"] == quantum
     assert peers.with_total(peers.TASKS["CartpoleBalance"], quantum)["total_env_steps"] == quantum
     assert peers.with_total(peers.TASKS["CartpoleBalance"], quantum + 1)["total_env_steps"] == 2 * quantum
+    assert {spec["start_states"] for spec in specs.values()} == {"fresh"}
+    first = peers.task_specs(peers.parse_args(["--start-states", "first"]))["CheetahRun"]
+    assert peers.jaxddppo_config("CheetahRun", first, 0, Path("run"))["env"]["start_states"] == "first"
 
 
 def test_both_contenders_get_the_same_settings(tmp_path):
