@@ -44,6 +44,17 @@ def default_steps_per_env(env: BatchedEnv, num_steps: int) -> int:
     return 2 * env.spec.max_episode_steps if env.spec.max_episode_steps else 16 * num_steps
 
 
+def scan_of(one: Callable[[Any, jax.Array], tuple[Any, jax.Array]], num_steps: int) -> Callable:
+    """(key, carry) -> (carry, reward sum): `one` (carry, step key) -> (carry, rewards) over
+    `num_steps` keys split from `key`."""
+
+    def scan(key: jax.Array, carry: Any) -> tuple[Any, jax.Array]:
+        carry, rewards = jax.lax.scan(one, carry, jax.random.split(key, num_steps))
+        return carry, rewards.sum()
+
+    return scan
+
+
 def core_scan(env: BatchedEnv, num_steps: int) -> Callable:
     """(key, (obs, state)) -> ((obs, state), reward sum): `num_steps` vmapped core steps."""
     spec, core = env.spec, env.core
@@ -56,11 +67,7 @@ def core_scan(env: BatchedEnv, num_steps: int) -> Callable:
         obs, state, reward, _, _ = jax.vmap(core.step)(keys, state, actions)
         return (float_observation(obs), strongly_typed(state)), jnp.sum(reward)
 
-    def scan(key: jax.Array, carry: tuple[Any, Any]) -> tuple[tuple[Any, Any], jax.Array]:
-        carry, rewards = jax.lax.scan(one, carry, jax.random.split(key, num_steps))
-        return carry, rewards.sum()
-
-    return scan
+    return scan_of(one, num_steps)
 
 
 def batch_scan(env: BatchedEnv, num_steps: int) -> Callable:
@@ -73,11 +80,7 @@ def batch_scan(env: BatchedEnv, num_steps: int) -> Callable:
         state, result = env.step(env_key, state, random_actions(spec, action_key, obs))
         return (result.obs, state), result.reward.sum()
 
-    def scan(key: jax.Array, carry: tuple[Any, Any]) -> tuple[tuple[Any, Any], jax.Array]:
-        carry, rewards = jax.lax.scan(one, carry, jax.random.split(key, num_steps))
-        return carry, rewards.sum()
-
-    return scan
+    return scan_of(one, num_steps)
 
 
 def brax_contender(env: BatchedEnv, num_envs: int) -> tuple[Callable, Any]:
@@ -88,17 +91,12 @@ def brax_contender(env: BatchedEnv, num_envs: int) -> tuple[Callable, Any]:
     brax_env = wrapper.wrap_for_brax_training(core.env, episode_length=core.episode_length,
                                               action_repeat=core.action_repeat)
 
+    def one(state: Any, step_key: jax.Array) -> tuple[Any, jax.Array]:
+        state = brax_env.step(state, random_actions(env.spec, step_key, state.obs))
+        return state, state.reward.sum()
+
     def make_scan(unused_env: BatchedEnv, num_steps: int) -> Callable:
-        def one(state: Any, step_key: jax.Array) -> tuple[Any, jax.Array]:
-            actions = jax.random.uniform(step_key, (num_envs, brax_env.action_size), minval=-1.0, maxval=1.0)
-            state = brax_env.step(state, actions)
-            return state, state.reward.sum()
-
-        def scan(key: jax.Array, state: Any) -> tuple[Any, jax.Array]:
-            state, rewards = jax.lax.scan(one, state, jax.random.split(key, num_steps))
-            return state, rewards.sum()
-
-        return scan
+        return scan_of(one, num_steps)
 
     first = jax.jit(brax_env.reset)(jax.random.split(jax.random.PRNGKey(0), num_envs))
     return make_scan, first
