@@ -142,6 +142,11 @@ def test_an_unknown_start_states_value_is_refused():
         BatchedEnv(CountedResets(2, 2), start_states="cached")
 
 
+def test_first_start_states_refuse_a_reset_ratio_they_would_ignore():
+    with pytest.raises(ConfigError, match="env.optimistic_reset_ratio=4 is invalid with env.start_states='first'"):
+        BatchedEnv(CountedResets(2, 2), optimistic_reset_ratio=4, start_states="first")
+
+
 def batched_steps(env: BatchedEnv, keys: jax.Array, num_steps: int):
     """`num_steps` steps of every member (leading axis of `keys`), batched with `vmap`."""
 

@@ -130,6 +130,9 @@ class BatchedEnv:
             raise ConfigError(f"env.optimistic_reset_ratio={optimistic_reset_ratio} must be at least 1")
         if start_states not in START_STATES:
             raise ConfigError(f"env.start_states={start_states!r} is invalid: must be one of {', '.join(START_STATES)}")
+        if start_states == "first" and optimistic_reset_ratio != 1:
+            raise ConfigError(f"env.optimistic_reset_ratio={optimistic_reset_ratio} is invalid with "
+                              "env.start_states='first', which keeps no pool of fresh states: leave it at 1")
         self.core = core
         self.spec = core.spec
         self.optimistic_reset_ratio = optimistic_reset_ratio
