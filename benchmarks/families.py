@@ -9,8 +9,8 @@ For each experiment config (an `env.id` of any family, see docs/environments.md)
                     (`env.optimistic_reset_ratio` and `env.start_states` as configured),
                     and through it under `vmap` in 4 groups (as a batched sweep's members or a
                     device's batched shards step), against the core: what restarts and episode
-                    statistics cost. Both
-                    in the core's process, alternating, each over two episodes of the time limit
+                    statistics cost. Both in the core's process, alternating, each over two
+                    episodes of the time limit (or `--steps-per-env` steps)
   train steps/s     `python -m jaxddppo.train` on the same config with `train.num_shards=2`,
                     on 1 and on 2 CPU devices (`run.cpu_devices`): steady state after the first
                     chunk of updates (as bench.py reads it), and its compile seconds; no
@@ -40,20 +40,22 @@ PACKAGES = ("jax", "jaxlib", "flax", "gymnax", "navix", "xminigrid", "jumanji", 
 NUM_SHARDS = 2
 
 
-def env_rates(config_path: str) -> dict[str, Any]:
-    """The core's and `BatchedEnv`'s steps/s of the config's environments (in a process of its own)."""
+def env_rates(config_path: str, steps_per_env: int) -> dict[str, Any]:
+    """The core's and `BatchedEnv`'s steps/s of the config's environments (in a process of its own);
+    `steps_per_env` 0: two episodes of the time limit."""
     from env_rates import measure_rates
 
     from jaxddppo.config_files import load_config
 
     config = load_config(config_path)
-    return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps,
+    return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps, steps_per_env=steps_per_env,
                          optimistic_reset_ratio=config.env.optimistic_reset_ratio,
                          start_states=config.env.start_states)
 
 
-def run_rates(config_path: str, scratch: Path, timeout: float) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--rates", config_path, "--out", str(scratch / "rates.json")]
+def run_rates(config_path: str, steps_per_env: int, scratch: Path, timeout: float) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--rates", config_path, "--steps-per-env", str(steps_per_env),
+               "--out", str(scratch / "rates.json")]
     finished = run_process(command, dict(os.environ), scratch, timeout)
     if finished.exit_code != 0:
         raise RuntimeError(f"stepping {config_path} failed:\n{output_tail(scratch / 'output.txt')}")
@@ -80,7 +82,8 @@ def run_training(config_path: str, devices: int, env_steps: Optional[int], scrat
     return {"steps_per_second": steps / seconds, "compile_seconds": summary["compile_seconds"]}
 
 
-def measure(config_paths: Sequence[str], repeats: int, env_steps: Optional[int], timeout: float) -> dict[str, Any]:
+def measure(config_paths: Sequence[str], repeats: int, env_steps: Optional[int], steps_per_env: int,
+            timeout: float) -> dict[str, Any]:
     results: dict[str, dict[str, list[dict[str, Any]]]] = {
         path: {"rates": [], **{f"train_{devices}": [] for devices in DEVICE_COUNTS}} for path in config_paths}
     with tempfile.TemporaryDirectory(prefix="jaxddppo-families-") as root:
@@ -90,7 +93,7 @@ def measure(config_paths: Sequence[str], repeats: int, env_steps: Optional[int],
                     scratch = Path(root) / f"{round_index}-{Path(path).stem}-{row}"
                     scratch.mkdir()
                     if row == "rates":
-                        result = run_rates(path, scratch, timeout)
+                        result = run_rates(path, steps_per_env, scratch, timeout)
                         rate = result["steps_per_second"]["core"]
                     else:
                         result = run_training(path, int(row.split("_")[1]), env_steps, scratch, timeout)
@@ -148,6 +151,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--env-steps", type=int, default=None,
                         help="train.total_env_steps of each training run (default: the config's)")
+    parser.add_argument("--steps-per-env", type=int, default=0,
+                        help="steps each environment takes per round of the rates (default: two episodes of the "
+                        "time limit; Craftax's is 10,000)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a measurement may run (default 1800)")
     parser.add_argument("--out", help="write the machine, versions, table and every measurement as JSON")
     parser.add_argument("--rates", action="store_true", help=argparse.SUPPRESS)
@@ -158,16 +164,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.configs = [str(Path(path).resolve()) for path in args.configs]  # trials run in scratch directories
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be at least 1")
+    if args.steps_per_env < 0:
+        parser.error(f"--steps-per-env={args.steps_per_env} must be at least 0")
     return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.rates:
-        Path(args.out).write_text(json.dumps(env_rates(args.configs[0])))
+        Path(args.out).write_text(json.dumps(env_rates(args.configs[0], args.steps_per_env)))
         return 0
     try:
-        results = measure(args.configs, args.repeats, args.env_steps, args.timeout)
+        results = measure(args.configs, args.repeats, args.env_steps, args.steps_per_env, args.timeout)
     except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_TRIAL_FAILED
@@ -175,7 +183,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(rows))
     if args.out:
         report = {"machine": machine_description(cpu_description(read_cpuinfo())), "versions": versions_of(PACKAGES),
-                  "repeats": args.repeats, "env_steps": args.env_steps, "table": rows, "measurements": results}
+                  "repeats": args.repeats, "env_steps": args.env_steps, "steps_per_env": args.steps_per_env,
+                  "table": rows, "measurements": results}
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 

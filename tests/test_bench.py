@@ -412,6 +412,25 @@ def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert excinfo.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: config file not found: {tmp_path / 'missing.yaml'} (see --help)"]
+    config_path = tmp_path / "navix.yaml"
+    config_path.write_text(yaml.safe_dump({"env": {"id": "navix:Navix-Empty-5x5-v0"}}))
+    with pytest.raises(SystemExit) as excinfo:
+        families.main([str(config_path), "--steps-per-env", "-1"])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["error: --steps-per-env=-1 must be at least 0 (see --help)"]
+
+
+def test_families_rates_step_the_configs_environments_for_the_steps_asked(tmp_path, monkeypatch):
+    config_path = tmp_path / "cartpole.yaml"
+    config_path.write_text(yaml.safe_dump({"env": {"id": "CartPole-v1", "num_envs": 64,
+                                                   "start_states": "first"}, "ppo": {"num_steps": 16}}))
+    calls = []
+    monkeypatch.setattr(env_rates, "measure_rates", lambda *args, **kwargs: calls.append((args, kwargs)) or {})
+    out = tmp_path / "rates.json"
+    assert families.main(["--rates", str(config_path), "--steps-per-env", "512", "--out", str(out)]) == 0
+    assert calls == [(("CartPole-v1", 64, 16),
+                      {"steps_per_env": 512, "optimistic_reset_ratio": 1, "start_states": "first"})]
+    assert json.loads(out.read_text()) == {}
 
 
 @pytest.mark.parametrize("exact, expected", [
