@@ -18,7 +18,7 @@ from jax.experimental import io_callback
 from jaxddppo.config import ConfigError
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
-from jaxddppo.envs.resets import update_if_any
+from jaxddppo.envs.resets import branch_as_cond, branch_as_loop, update_if_any
 
 NUM_ENVS = 8
 
@@ -214,6 +214,30 @@ def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_i
     np.testing.assert_array_equal(function(jnp.zeros(batch_shape, bool), values), values)
     assert not executed
 
+
+@pytest.mark.parametrize("form", [branch_as_loop, branch_as_cond])
+def test_each_branch_form_updates_only_when_its_predicate_holds(form):
+    executed = []
+
+    def costly(v):
+        executed.append(1)
+        return np.asarray(v) * 2.0 + 1.0
+
+    update = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+    function = jax.jit(lambda predicate, x: form(update, predicate, x))
+    values = jnp.arange(3, dtype=jnp.float32)
+    np.testing.assert_array_equal(function(True, values), np.arange(3) * 2.0 + 1.0)
+    assert executed == [1]
+    np.testing.assert_array_equal(function(False, values), values)
+    assert executed == [1]
+
+
+@pytest.mark.parametrize("platform,loop", [("cpu", True), ("cuda", False), ("tpu", False)])
+def test_update_if_any_is_a_loop_on_cpus_and_a_cond_elsewhere(platform, loop):
+    traced = jax.jit(lambda predicate, x: update_if_any(predicate, lambda v: v * 2.0, x)).trace(
+        True, jnp.zeros(3, jnp.float32))
+    program = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.while" in program) == loop
 
 
 def test_evaluation_steps_restart_nothing_and_match_the_resetting_steps_until_an_end():

@@ -19,6 +19,7 @@ No reset work after the first, but every episode of an environment starts the sa
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -42,18 +43,20 @@ def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: 
     Batched, `update` runs when the predicate holds for any member, and each member keeps
     its update only where its own predicate holds: every member computes what it would
     alone, and a batch in which no member needs the update skips it. Nested `vmap`s nest
-    the rule (the batched call is itself an `update_if_any`). The branch is a loop of at
-    most one iteration rather than a `lax.cond`: XLA updates a loop's carry in place, where
-    a `lax.cond` inside the rollout's loop copied every operand it passed through (the
-    reset pool and the environment states, at every step).
+    the rule (the batched call is itself an `update_if_any`).
+
+    The branch takes the form each backend runs best, chosen when the program is lowered:
+    on a CPU a loop of at most one iteration, whose carry XLA updates in place, where a
+    `lax.cond` inside the rollout's loop copied every operand it passed through (the reset
+    pool and the environment states, at every step); elsewhere a `lax.cond`, since a GPU
+    waits on the host for each check of a loop's condition (training CartPole, 2048 envs x
+    128 steps on one H200: 18.3M env steps/s with the cond, 10.5M with the loop).
     """
 
     @jax.custom_batching.custom_vmap
     def branch(predicate: jax.Array, operands: Any) -> Any:
-        def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
-            return jnp.zeros((), bool), update(carry[1])
-
-        return jax.lax.while_loop(lambda carry: carry[0], body, (predicate, operands))[1]
+        return jax.lax.platform_dependent(predicate, operands, cpu=partial(branch_as_loop, update),
+                                          default=partial(branch_as_cond, update))
 
     @branch.def_vmap
     def batched(axis_size: int, in_batched: tuple[Any, Any], predicate: jax.Array, operands: Any
@@ -74,6 +77,21 @@ def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: 
         return out, jax.tree.map(lambda _: True, out)
 
     return branch(jnp.asarray(predicate, bool), operands)
+
+
+def branch_as_loop(update: Callable[[Any], Any], predicate: jax.Array, operands: Any) -> Any:
+    """`update(operands)` if the scalar `predicate` holds, else `operands`: a loop of at most
+    one iteration (`update_if_any`'s form on a CPU)."""
+
+    def body(carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+        return jnp.zeros((), bool), update(carry[1])
+
+    return jax.lax.while_loop(lambda carry: carry[0], body, (predicate, operands))[1]
+
+
+def branch_as_cond(update: Callable[[Any], Any], predicate: jax.Array, operands: Any) -> Any:
+    """`branch_as_loop`'s result as a `lax.cond` (`update_if_any`'s form on other backends)."""
+    return jax.lax.cond(predicate, update, lambda unchanged: unchanged, operands)
 
 
 @struct.dataclass
