@@ -102,23 +102,23 @@ def brax_contender(env: BatchedEnv, num_envs: int) -> tuple[Callable, Any]:
     return make_scan, first
 
 
-def initial_carries(env: BatchedEnv, num_envs: int, with_brax: bool = False) -> dict[str, tuple[Callable, Any]]:
-    """Each contender's jitted scan maker and first carry."""
+def initial_carries(env: BatchedEnv, num_envs: int, contenders: Sequence[str] = CONTENDERS,
+                    with_brax: bool = False) -> dict[str, tuple[Callable, Any]]:
+    """The jitted scan maker and first carry of each of `contenders` (and Brax's)."""
     key = jax.random.key(0)
     # Jitted: eagerly, a reset that settles a body over many physics steps dispatches each
     # operation on its own (minutes for MJX's CheetahRun).
     obs, state = jax.jit(env.reset, static_argnums=1)(key, num_envs)
-    core_obs, core_state = jax.jit(lambda key: env.reset(key, num_envs, auto_reset=False))(key)
-    groups = jax.random.split(key, GROUPS)
-    grouped = jax.jit(jax.vmap(lambda group_key: env.reset(group_key, num_envs // GROUPS)))(groups)
-    contenders = {
-        "core": (core_scan, (core_obs, core_state.env_state)),
-        "batch": (batch_scan, (obs, state)),
-        "batch_vmapped": (lambda env, steps: _vmapped(batch_scan(env, steps)), grouped),
-    }
+    carries: dict[str, tuple[Callable, Any]] = {"core": (core_scan, (obs, state.env_state)),
+                                                "batch": (batch_scan, (obs, state))}
+    if "batch_vmapped" in contenders:
+        grouped = jax.jit(jax.vmap(lambda group_key: env.reset(group_key, num_envs // GROUPS)))(
+            jax.random.split(key, GROUPS))
+        carries["batch_vmapped"] = (lambda env, steps: _vmapped(batch_scan(env, steps)), grouped)
+    carries = {name: carries[name] for name in contenders}
     if with_brax:
-        contenders["brax"] = brax_contender(env, num_envs)
-    return contenders
+        carries["brax"] = brax_contender(env, num_envs)
+    return carries
 
 
 def _vmapped(scan: Callable) -> Callable:
@@ -131,16 +131,18 @@ def _vmapped(scan: Callable) -> Callable:
 
 def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, steps_per_env: int = 0,
                   optimistic_reset_ratio: int = 1, start_states: str = "fresh",
-                  with_brax: bool = False) -> dict[str, Any]:
-    """Steps/s of each contender (medians over `rounds`), their compile seconds, and the
-    ratios to the core's rate."""
+                  with_brax: bool = False, contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
+    """Steps/s of each of `contenders` (the core's always among them; medians over
+    `rounds`), their compile seconds, and the ratios to the core's rate."""
+    if "core" not in contenders or not set(contenders) <= set(CONTENDERS):
+        raise ValueError(f"contenders={list(contenders)} must include 'core' and name only {list(CONTENDERS)}")
     if num_envs % GROUPS:
         raise ValueError(f"num_envs={num_envs} must be a multiple of {GROUPS} (the vmapped groups)")
     env = make_env(env_id, optimistic_reset_ratio, start_states)
     steps_per_env = steps_per_env or default_steps_per_env(env, num_steps)
     scans_per_round = -(-steps_per_env // num_steps)
     compiled, carries, compile_seconds = {}, {}, {}
-    for name, (make_scan, carry) in initial_carries(env, num_envs, with_brax).items():
+    for name, (make_scan, carry) in initial_carries(env, num_envs, contenders, with_brax).items():
         function = jax.jit(make_scan(env, num_steps))
         start = time.perf_counter()
         carry, total = function(jax.random.key(1), strongly_typed(carry))
@@ -168,9 +170,7 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
         "env_id": env_id, "num_envs": num_envs, "num_steps": num_steps, "start_states": start_states,
         "steps_per_env": scans_per_round * num_steps,
         "steps_per_second": medians, "rounds": rates, "compile_seconds": compile_seconds,
-        "batch_over_core": medians["batch"] / medians["core"],
-        "batch_vmapped_over_core": medians["batch_vmapped"] / medians["core"],
-        **({"brax_over_core": medians["brax"] / medians["core"]} if with_brax else {}),
+        **{f"{name}_over_core": medians[name] / medians["core"] for name in medians if name != "core"},
     }
 
 

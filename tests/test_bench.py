@@ -328,6 +328,14 @@ def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
         env_rates.measure_rates("Pendulum-v1", 6, 5)
 
 
+def test_env_rates_measure_only_the_contenders_asked_and_the_core_always():
+    result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10, contenders=("core", "batch"))
+    assert set(result["steps_per_second"]) == {"core", "batch"} and set(result["compile_seconds"]) == {"core", "batch"}
+    assert "batch_vmapped_over_core" not in result and result["batch_over_core"] > 0
+    with pytest.raises(ValueError, match=r"contenders=\['batch'\] must include 'core'"):
+        env_rates.measure_rates("Pendulum-v1", 8, 5, contenders=("batch",))
+
+
 def test_env_rates_step_first_start_states_and_refuse_brax_for_other_families(capsys):
     result = env_rates.measure_rates("CartPole-v1", 8, 5, rounds=1, steps_per_env=40, start_states="first")
     assert result["start_states"] == "first" and "brax_over_core" not in result
@@ -380,13 +388,12 @@ def test_gpu_suite_plans_every_row_the_issue_names():
 
 def test_gpu_suite_table_sets_training_beside_the_core_rate():
     rates = {"kind": "rates", "name": "rates CheetahRun", "env_id": "playground:CheetahRun", "num_envs": 2048,
-             "result": {"steps_per_second": {"core": 1_000_000.0, "batch": 850_000.0, "batch_vmapped": 800_000.0},
-                        "batch_over_core": 0.85, "batch_vmapped_over_core": 0.8}}
+             "result": {"steps_per_second": {"core": 1_000_000.0, "batch": 850_000.0}, "batch_over_core": 0.85}}
     train = {"kind": "train", "name": "train CheetahRun",
              "result": {"steps_per_second": 400_000.0, "compile_seconds": 61.23, "eval_return_mean": 123.45}}
     skipped = {"kind": "train", "name": "cartpole 4 shard(s) exact=true", "status": "skipped: budget spent"}
     lines = gpu.format_table([rates, train, skipped]).splitlines()
-    assert lines[2] == "| `playground:CheetahRun` | 2048 | 1,000,000 | 850,000 | 0.85 | 800,000 | 0.80 |"
+    assert lines[2] == "| `playground:CheetahRun` | 2048 | 1,000,000 | 850,000 | 0.85 |"
     assert lines[-2] == "| train CheetahRun | 400,000 | 0.40 | 61.2 | 123.5 |"
     assert lines[-1] == "| cartpole 4 shard(s) exact=true | skipped: budget spent | | | |"
 
