@@ -240,32 +240,40 @@ class Checkpointer:
         """The newest checkpoint that restores and matches its digest; each newer one that does
         not is named via `report`.
 
-        With `set_aside` (a run that will save again), such a step directory is renamed to
-        `<step>.unreadable` or `<step>.damaged` (kept for inspection) so that its step can be
-        saved anew. Every process makes the same choice (`restore` agrees on every step).
+        With `set_aside` (a run that will save again), once an older checkpoint restores,
+        each such step directory is renamed to `<step>.unreadable` or `<step>.damaged` (kept
+        for inspection) so that its step can be saved anew. When none restores, every one
+        stays where it is: the run stops, and a version of jaxddppo that reads them finds
+        them. Every process makes the same choice (`restore` agrees on every step).
         """
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
-        rejected: dict[int, str] = {}
-        try:
-            for step in reversed(steps):
-                try:
-                    return self.restore(step, abstract_state, report)
-                except CheckpointFormatError:
-                    raise
-                except Exception as error:
-                    damaged = isinstance(error, CheckpointDamaged)
-                    rejected[step] = "damaged" if damaged else "unreadable"
-                    moved = f", moved to {step}.{rejected[step]}" if set_aside else ""
-                    detail = str(error).split(": ", 1)[1] if damaged else \
-                        f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
-                    report(f"warning: checkpoint {self.path(step)} is {rejected[step]}, skipped{moved} ({detail})")
-            raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in {self.directory} is intact "
-                                  "(each is unreadable or damaged)")
-        finally:
+        rejected: dict[int, tuple[str, str]] = {}  # step -> (unreadable or damaged, why)
+
+        def report_rejected(moved: bool) -> None:
+            for step, (verdict, detail) in rejected.items():
+                where = f", moved to {step}.{verdict}" if moved else ""
+                report(f"warning: checkpoint {self.path(step)} is {verdict}, skipped{where} ({detail})")
+
+        for step in reversed(steps):
+            try:
+                restored = self.restore(step, abstract_state, report)
+            except CheckpointFormatError:
+                report_rejected(moved=False)
+                raise
+            except Exception as error:
+                damaged = isinstance(error, CheckpointDamaged)
+                rejected[step] = ("damaged", str(error).split(": ", 1)[1]) if damaged else \
+                    ("unreadable", f"{type(error).__name__}: {' '.join(str(error).split())[:160]}")
+                continue
             if set_aside and rejected:
-                self._set_aside(rejected)
+                self._set_aside({step: verdict for step, (verdict, _) in rejected.items()})
+            report_rejected(moved=set_aside)
+            return restored
+        report_rejected(moved=False)
+        raise CheckpointError(f"none of the {len(steps)} checkpoint(s) in {self.directory} is intact "
+                              "(each is unreadable or damaged)" + ("; all are left in place" if set_aside else ""))
 
     def _set_aside(self, steps: dict[int, str]) -> None:
         if jax.process_index() == 0:

@@ -219,6 +219,23 @@ def test_no_usable_checkpoint_is_one_line_and_exit_2(tmp_path):
     assert "is unreadable, skipped" in lines[0] and "Traceback" not in result.stderr
 
 
+def test_a_resume_that_finds_no_usable_checkpoint_renames_none_of_them(tmp_path):
+    """The checkpoints a resume cannot read stay where they are when none restores: the run
+    stops, and a version of jaxddppo that reads them (the one that wrote them, say) finds them."""
+    run_dir = tmp_path / "run"
+    run(small_config(run_dir), devices=jax.devices()[:1], stop_after_updates=8)
+    for step in ("4", "8"):
+        corrupt(run_dir / "checkpoints" / step)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    result = subprocess.run([sys.executable, "-m", "jaxddppo.train", "--resume", str(run_dir)],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == (f"error: none of the 2 checkpoint(s) in {run_dir / 'checkpoints'} is intact "
+                         "(each is unreadable or damaged); all are left in place"), lines
+    assert sum("is unreadable, skipped (" in line for line in lines) == 2 and "Traceback" not in result.stderr
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
 @pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 1])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
     """Checkpoints of jaxddppo before format 2 (no format recorded: the optimizer state over
