@@ -188,17 +188,22 @@ def test_batched_members_restart_from_their_own_first_states_each_as_alone():
     assert not np.array_equal(batched_obs[0], batched_obs[1])
 
 
-@pytest.mark.parametrize("batch_shape", [(3,), (2, 3)])
-def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_it(batch_shape):
-    executed = []
+def counted_update(executed: list):
+    """v -> 2 v + 1 through a host callback that appends to `executed` each time it runs."""
 
     def costly(v):
         executed.append(1)
         return np.asarray(v) * 2.0 + 1.0
 
+    return lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+
+@pytest.mark.parametrize("batch_shape", [(3,), (2, 3)])
+def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_it(batch_shape):
+    executed = []
+
     def member(predicate, x):
-        update = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
-        return update_if_any(predicate, update, x)
+        return update_if_any(predicate, counted_update(executed), x)
 
     function = member
     for _ in batch_shape:
@@ -218,13 +223,7 @@ def test_update_if_any_computes_each_member_as_alone_and_skips_when_none_needs_i
 @pytest.mark.parametrize("form", [branch_as_loop, branch_as_cond])
 def test_each_branch_form_updates_only_when_its_predicate_holds(form):
     executed = []
-
-    def costly(v):
-        executed.append(1)
-        return np.asarray(v) * 2.0 + 1.0
-
-    update = lambda v: io_callback(costly, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
-    function = jax.jit(lambda predicate, x: form(update, predicate, x))
+    function = jax.jit(lambda predicate, x: form(counted_update(executed), predicate, x))
     values = jnp.arange(3, dtype=jnp.float32)
     np.testing.assert_array_equal(function(True, values), np.arange(3) * 2.0 + 1.0)
     assert executed == [1]
