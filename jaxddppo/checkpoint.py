@@ -20,7 +20,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Callable, Optional
 
 import jax
@@ -33,8 +33,12 @@ from jaxddppo import sharding
 CHECKPOINT_SUBDIR = "checkpoints"
 # The layout of the saved state, recorded beside the counters. 2: the optimizer state
 # follows the parameter tree. Checkpoints without it (jaxddppo before format 2 kept the
-# optimizer state over the parameters laid end to end) are refused.
-CHECKPOINT_FORMAT = 2
+# optimizer state over the parameters laid end to end) are refused. 3: the reset pools
+# record pending slots (`envs/resets.py`); a format-2 checkpoint, saved when no restart
+# was left half done, is read with none pending.
+CHECKPOINT_FORMAT = 3
+READ_FORMATS = (2, 3)
+_PENDING_SLOT = "pending_slot"
 _FORMAT_KEY = "checkpoint_format"
 # The digest item of a checkpoint. Checkpoints without one (jaxddppo before digests) are
 # restored with a warning that they are unverified; `verify` reports them as such.
@@ -96,20 +100,56 @@ def _without_empty_leaves(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
 
 
-def _with_empty_leaves(restored: Any, abstract: Any) -> Any:
-    """The inverse of `_without_empty_leaves` for a restored tree: the zero-size arrays come
-    back, as `abstract` (shapes, dtypes, shardings) describes them; they hold no values."""
-    restored_leaves = iter(jax.tree.leaves(restored))
-    abstract_leaves, treedef = jax.tree.flatten(abstract)
+def _is_pending_slot(path: tuple) -> bool:
+    return bool(path) and getattr(path[-1], "name", None) == _PENDING_SLOT
 
-    def empty(leaf: Any) -> jax.Array:
-        zeros = np.zeros(leaf.shape, leaf.dtype)
+
+def _has_pending_slots(node: Any) -> bool:
+    return is_dataclass(node) and any(field.name == _PENDING_SLOT for field in fields(node))
+
+
+def _format_2_target(tree: Any) -> Any:
+    """`tree` laid out as a format-2 checkpoint holds it, to restore into: each reset pool a
+    dict of its fields but the pending slots (orbax matches a saved tree by its keys)."""
+
+    def saved(node: Any) -> Any:
+        if not _has_pending_slots(node):
+            return node
+        return {field.name: getattr(node, field.name) for field in fields(node) if field.name != _PENDING_SLOT}
+
+    return jax.tree.map(saved, tree, is_leaf=_has_pending_slots)
+
+
+def _without_pending_slots(tree: Any) -> Any:
+    """`tree`'s leaves as a format-2 checkpoint saved them, in their order (its digest's)."""
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: None if _is_pending_slot(path) else leaf, tree)
+
+
+def _path_names(path: tuple) -> tuple:
+    return tuple(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key)))) for key in path)
+
+
+def _with_unsaved_leaves(restored: Any, abstract: Any, written_format: int) -> Any:
+    """The tree `abstract` describes (shapes, dtypes, shardings) from the `restored` one: the
+    zero-size arrays, which `_without_empty_leaves` left out, come back, holding no values;
+    for a format-2 checkpoint the pending slots come back too, all -1 (none pending)."""
+    restored_leaves = {_path_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def filled(leaf: Any, value: int) -> jax.Array:
+        values = np.full(leaf.shape, value, leaf.dtype)
         if getattr(leaf, "sharding", None) is None:
-            return jax.numpy.asarray(zeros)
-        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: zeros[index])
+            return jax.numpy.asarray(values)
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: values[index])
 
-    leaves = [empty(leaf) if _is_empty(leaf) else next(restored_leaves) for leaf in abstract_leaves]
-    return jax.tree.unflatten(treedef, leaves)
+    def leaf_of(path: tuple, leaf: Any) -> Any:
+        if _is_empty(leaf):
+            return filled(leaf, 0)
+        if written_format == 2 and _is_pending_slot(path):
+            return filled(leaf, -1)
+        return restored_leaves[_path_names(path)]
+
+    return jax.tree.unflatten(treedef, [leaf_of(path, leaf) for path, leaf in abstract_leaves])
 
 
 class Checkpointer:
@@ -171,13 +211,15 @@ class Checkpointer:
         counters_only = ocp.args.Composite(counters=ocp.args.JsonRestore())
         record = dict(self._manager.restore(step, args=counters_only)["counters"])
         written_format = record.get(_FORMAT_KEY, 1)
-        if written_format != CHECKPOINT_FORMAT:
+        if written_format not in READ_FORMATS:
             raise CheckpointFormatError(
                 f"checkpoint {self.path(step)} has format {written_format}, this jaxddppo "
-                f"reads format {CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
+                f"reads formats {READ_FORMATS[0]} to {READ_FORMATS[-1]} only (the version that wrote it "
+                "can still read it); start a new run"
             )
         has_digest = os.path.isdir(os.path.join(self.path(step), _DIGEST_ITEM))
-        items = {"state": ocp.args.StandardRestore(_without_empty_leaves(abstract_state))}
+        saved = abstract_state if written_format == CHECKPOINT_FORMAT else _format_2_target(abstract_state)
+        items = {"state": ocp.args.StandardRestore(_without_empty_leaves(saved))}
         if has_digest:
             items[_DIGEST_ITEM] = ocp.args.JsonRestore()
         error = None
@@ -187,9 +229,10 @@ class Checkpointer:
             error = caught
         if not _everywhere(error is None):
             raise error or CheckpointError(f"checkpoint {self.path(step)} could not be read by another process")
-        state = _with_empty_leaves(restored["state"], abstract_state)
+        state = _with_unsaved_leaves(restored["state"], abstract_state, written_format)
         if has_digest:
-            recorded, found = dict(restored[_DIGEST_ITEM]), _digest(state, record)
+            as_saved = state if written_format == CHECKPOINT_FORMAT else _without_pending_slots(state)
+            recorded, found = dict(restored[_DIGEST_ITEM]), _digest(as_saved, record)
             differing = [f"{part} digest {found[part]}, {recorded.get(part)} when saved"
                          for part in found if found[part] != recorded.get(part)]
             if differing:

@@ -25,6 +25,7 @@ from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.chunk_metrics import NonFiniteError
 from jaxddppo.config import ConfigError
 from jaxddppo.config_files import load_config, load_resume_config
+from jaxddppo.envs.resets import take_pending
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.experiment import Experiment, all_finite, build, update_count
 from jaxddppo.loop import chunk_plan
@@ -236,6 +237,44 @@ def test_a_resume_that_finds_no_usable_checkpoint_renames_none_of_them(tmp_path)
     assert sum("is unreadable, skipped (" in line for line in lines) == 2 and "Traceback" not in result.stderr
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
+
+def as_format_2(state):
+    """`state` as jaxddppo before pending slots (format 2) saved it: every restart complete
+    (the pending states taken) and the reset pools without pending slots."""
+    env = state.rollout.env
+    take = take_pending
+    for _ in range(env.reset_pool.pending_slot.ndim - 1):  # the shard axes
+        take = jax.vmap(take)
+    pool, env_state = jax.jit(take)(env.reset_pool, env.env_state)
+    state = state.replace(rollout=state.rollout.replace(env=env.replace(env_state=env_state, reset_pool=pool)))
+    return checkpoint._without_pending_slots(state)
+
+
+def test_a_format_2_checkpoint_resumes_exactly(one_go, tmp_path, monkeypatch):
+    """A checkpoint of jaxddppo before the reset pools recorded pending slots restores, checked
+    against its digest, with none pending, and the run ends as the run done in one go."""
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "CHECKPOINT_FORMAT", 2)
+        save, without_empty_leaves = Checkpointer.save, checkpoint._without_empty_leaves
+        patch.setattr(Checkpointer, "save",
+                      lambda self, state, counters, checksum=None: save(self, as_format_2(state), counters))
+        patch.setattr(checkpoint, "_without_empty_leaves",
+                      lambda tree: without_empty_leaves(checkpoint._format_2_target(tree)))
+        run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
+    assert json.loads((run_dir / "checkpoints" / "4" / "counters" / "metadata").read_text())["checkpoint_format"] == 2
+    reports: list[str] = []
+    experiment = build(load_resume_config(str(run_dir)), devices=jax.devices()[:4])
+    checkpointer = Checkpointer(str(run_dir), read_only=True)
+    restored, _ = checkpointer.restore_latest(experiment.abstract_state(), reports.append)
+    checkpointer.close()
+    assert reports == [] and (np.asarray(restored.rollout.env.reset_pool.pending_slot) == -1).all()
+    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
+    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
+    for got, want in zip(host_leaves(resumed.state), host_leaves(one_go.state), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 1])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
     """Checkpoints of jaxddppo before format 2 (no format recorded: the optimizer state over
@@ -253,7 +292,7 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format 1, this jaxddppo reads format 2 only "
+        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format 1, this jaxddppo reads formats 2 to 3 only "
         "(the version that wrote it can still read it); start a new run")
     assert "Traceback" not in result.stderr
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before

@@ -25,6 +25,7 @@ import pytest
 from jaxddppo import sharding, shards
 from jaxddppo.config import ConfigError, NetworkConfig
 from jaxddppo.envs import BatchedEnv, make_env
+from jaxddppo.envs.resets import take_pending
 from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
 from jaxddppo.minibatches import minibatch_indices
@@ -711,7 +712,8 @@ def test_cartpole_truncation_bootstrap_obs_and_counters(short_cartpole):
 def test_optimistic_resets_share_a_few_fresh_states_among_the_finished_envs(short_cartpole, ratio):
     """Every env truncates on step TIME_LIMIT together. With ratio r, num_envs / r fresh states
     are drawn (from the first envs' reset keys) and the k-th finished env takes state k mod that;
-    ratio 1 is each env's own reset. The running envs are untouched either way."""
+    ratio 1 is each env's own reset. The running envs are untouched either way. The finished
+    envs' states are put in place at the start of their next step (`take_pending`)."""
     num_envs = 8
     env = BatchedEnv(short_cartpole.core, optimistic_reset_ratio=ratio)
     _, state = env.reset(jax.random.key(4), num_envs)
@@ -725,7 +727,11 @@ def test_optimistic_resets_share_a_few_fresh_states_among_the_finished_envs(shor
     for k in range(num_envs):
         np.testing.assert_array_equal(restarted[k], np.asarray(own.obs)[k % num_fresh])
     assert len(np.unique(restarted, axis=0)) == num_fresh
-    np.testing.assert_array_equal(np.asarray(new_state.env_state.x), restarted[:, 0])
+    np.testing.assert_array_equal(np.asarray(new_state.reset_pool.pending_slot), np.arange(num_envs) % num_fresh)
+    np.testing.assert_array_equal(np.asarray(new_state.env_state.x), np.asarray(result.final_obs)[:, 0])
+    pool, next_states = take_pending(new_state.reset_pool, new_state.env_state)
+    np.testing.assert_array_equal(np.asarray(next_states.x), restarted[:, 0])
+    assert (np.asarray(pool.pending_slot) == -1).all()
     for result_before, _ in history[:-1]:
         np.testing.assert_array_equal(result_before.obs, result_before.final_obs)
 

@@ -2,9 +2,9 @@
 
 A stand-in environment counts the executions of its `reset` through `io_callback`: a step
 on which no episode ends must run none, and every episode must start from a fresh state
-of its own, alone, under `vmap` (batched members and shards) and nested `vmap`. With
-`start_states="first"` no step runs a reset, and each environment restarts from its own
-first state.
+of its own, alone, under `vmap` (batched members and shards) and nested `vmap`; its state
+is taken from the pool at its next step (`take_pending`). With `start_states="first"` no
+step runs a reset, and each environment restarts from its own first state.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from jax.experimental import io_callback
 from jaxddppo.config import ConfigError
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
-from jaxddppo.envs.resets import branch_as_cond, branch_as_loop, update_if_any
+from jaxddppo.envs.resets import (ResetPool, branch_as_cond, branch_as_loop, take_pending, take_slot_states,
+                                  update_if_any)
 
 NUM_ENVS = 8
 
@@ -88,6 +89,11 @@ def test_every_episode_starts_from_a_fresh_state_of_its_own():
         starts.append(observations[step_index + 1][ended, 1])
         # The restarted environments show a new episode's first observation: its full length left.
         assert (observations[step_index + 1][ended, 0] >= 2).all()
+        if step_index + 1 < dones.shape[0]:
+            # Their next step goes on from that first state (its state was taken from the pool).
+            going_on = ended & ~dones[step_index + 1]
+            np.testing.assert_array_equal(observations[step_index + 2][going_on],
+                                          observations[step_index + 1][going_on] - np.array([1.0, 0.0], np.float32))
     starts = np.concatenate(starts)
     episodes_ended = int(dones.sum())
     assert episodes_ended > 3 * NUM_ENVS
@@ -237,6 +243,30 @@ def test_update_if_any_is_a_loop_on_cpus_and_a_cond_elsewhere(platform, loop):
         True, jnp.zeros(3, jnp.float32))
     program = traced.lower(lowering_platforms=(platform,)).as_text()
     assert ("stablehlo.while" in program) == loop
+
+
+def test_pending_slots_are_taken_once_and_only_where_set():
+    pool = ResetPool(obs=jnp.zeros((3, 1)), state=(jnp.array([10.0, 11.0, 12.0]), jnp.array([20, 21, 22])),
+                     next_slot=jnp.asarray(3, jnp.int32), pending_slot=jnp.array([-1, 2, -1, 0], jnp.int32))
+    state = (jnp.arange(4.0), jnp.arange(4))
+    expected = ([0.0, 12.0, 2.0, 10.0], [0, 22, 2, 20])
+    for take in (take_pending, take_slot_states):
+        taken_pool, taken = jax.jit(take)(pool, state)
+        for leaf, values in zip(taken, expected):
+            np.testing.assert_array_equal(leaf, values)
+        assert (np.asarray(taken_pool.pending_slot) == -1).all()
+        again = jax.jit(take)(taken_pool, taken)[1]
+        for leaf, values in zip(again, expected):
+            np.testing.assert_array_equal(leaf, values)
+
+
+@pytest.mark.parametrize("platform,branch", [("cpu", True), ("cuda", False), ("tpu", False)])
+def test_pending_slots_are_taken_in_a_branch_on_cpus_and_at_every_step_elsewhere(platform, branch):
+    pool = ResetPool(obs=jnp.zeros((3, 1)), state=jnp.zeros(3), next_slot=jnp.asarray(3, jnp.int32),
+                     pending_slot=jnp.full((4,), -1, jnp.int32))
+    program = jax.jit(take_pending).trace(pool, jnp.zeros(4)).lower(lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.while" in program) == branch
+    assert "stablehlo.gather" in program
 
 
 def test_evaluation_steps_restart_nothing_and_match_the_resetting_steps_until_an_end():

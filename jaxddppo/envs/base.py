@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddppo.config import START_STATES, ConfigError
-from jaxddppo.envs.resets import ResetPool, empty_pool, first_states_pool, restart_finished, restart_from_first
+from jaxddppo.envs.resets import (ResetPool, empty_pool, first_states_pool, hand_out_first_states, hand_out_slots,
+                                  take_pending)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class EnvCore(Protocol):
 
 @struct.dataclass
 class EpisodeState:
+    # Where `reset_pool.pending_slot` is set, the state the episode ended in: the next step
+    # starts from the slot's state (`take_pending`) instead.
     env_state: Any
     episode_return: jax.Array  # [B] return so far of the running episode
     episode_length: jax.Array  # [B]
@@ -171,15 +174,14 @@ class BatchedEnv:
         them for all its steps at once)."""
         if state.reset_pool is None:
             raise ValueError("this EpisodeState has no reset pool: make it with reset(..., auto_reset=True)")
-        new_state, result = self._step_episodes(keys[:, 0], state, action)
+        pool, env_state = take_pending(state.reset_pool, state.env_state)
+        new_state, result = self._step_episodes(keys[:, 0], state.replace(env_state=env_state), action)
         done = jnp.logical_or(result.terminated, result.truncated)
         if self.start_states == "first":
-            pool = state.reset_pool
-            obs, env_state = restart_from_first(pool, done, result.final_obs, new_state.env_state)
+            pool, obs = hand_out_first_states(pool, done, result.final_obs)
         else:
-            pool, obs, env_state = restart_finished(self._reset_batch, state.reset_pool, keys[:, 1], done,
-                                                    result.final_obs, new_state.env_state)
-        new_state = new_state.replace(env_state=env_state, reset_pool=pool)
+            pool, obs = hand_out_slots(self._reset_batch, pool, keys[:, 1], done, result.final_obs)
+        new_state = new_state.replace(reset_pool=pool)
         return new_state, result.replace(obs=obs)
 
     def step_without_reset(self, key: jax.Array, state: EpisodeState,
