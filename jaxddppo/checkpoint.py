@@ -129,10 +129,10 @@ def _path_names(path: tuple) -> tuple:
     return tuple(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key)))) for key in path)
 
 
-def _with_unsaved_leaves(restored: Any, abstract: Any, written_format: int) -> Any:
+def _with_unsaved_leaves(restored: Any, abstract: Any, pending_slots_saved: bool) -> Any:
     """The tree `abstract` describes (shapes, dtypes, shardings) from the `restored` one: the
     zero-size arrays, which `_without_empty_leaves` left out, come back, holding no values;
-    for a format-2 checkpoint the pending slots come back too, all -1 (none pending)."""
+    without `pending_slots_saved` (format 2) the pending slots come back too, all -1."""
     restored_leaves = {_path_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
     abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
@@ -145,7 +145,7 @@ def _with_unsaved_leaves(restored: Any, abstract: Any, written_format: int) -> A
     def leaf_of(path: tuple, leaf: Any) -> Any:
         if _is_empty(leaf):
             return filled(leaf, 0)
-        if written_format == 2 and _is_pending_slot(path):
+        if not pending_slots_saved and _is_pending_slot(path):
             return filled(leaf, -1)
         return restored_leaves[_path_names(path)]
 
@@ -218,7 +218,8 @@ class Checkpointer:
                 "can still read it); start a new run"
             )
         has_digest = os.path.isdir(os.path.join(self.path(step), _DIGEST_ITEM))
-        saved = abstract_state if written_format == CHECKPOINT_FORMAT else _format_2_target(abstract_state)
+        pending_slots_saved = written_format >= 3
+        saved = abstract_state if pending_slots_saved else _format_2_target(abstract_state)
         items = {"state": ocp.args.StandardRestore(_without_empty_leaves(saved))}
         if has_digest:
             items[_DIGEST_ITEM] = ocp.args.JsonRestore()
@@ -229,9 +230,9 @@ class Checkpointer:
             error = caught
         if not _everywhere(error is None):
             raise error or CheckpointError(f"checkpoint {self.path(step)} could not be read by another process")
-        state = _with_unsaved_leaves(restored["state"], abstract_state, written_format)
+        state = _with_unsaved_leaves(restored["state"], abstract_state, pending_slots_saved)
         if has_digest:
-            as_saved = state if written_format == CHECKPOINT_FORMAT else _without_pending_slots(state)
+            as_saved = state if pending_slots_saved else _without_pending_slots(state)
             recorded, found = dict(restored[_DIGEST_ITEM]), _digest(as_saved, record)
             differing = [f"{part} digest {found[part]}, {recorded.get(part)} when saved"
                          for part in found if found[part] != recorded.get(part)]
