@@ -56,6 +56,16 @@ class CountedResets:
         return obs, (remaining, start), jnp.float32(1.0), remaining == 0, jnp.asarray(False)
 
 
+class TracedResets(CountedResets):
+    """`CountedResets` that also counts the traces of its reset (`traces`)."""
+
+    traces = 0
+
+    def reset(self, key):
+        self.traces += 1
+        return super().reset(key)
+
+
 def run_steps(env: BatchedEnv, num_steps: int, key=jax.random.key(0), num_envs: int = NUM_ENVS):
     """Observations and done flags of `num_steps` steps, one jitted call per step, and
     the resets executed by each step."""
@@ -151,6 +161,20 @@ def test_an_unknown_start_states_value_is_refused():
 def test_first_start_states_refuse_a_reset_ratio_they_would_ignore():
     with pytest.raises(ConfigError, match="env.optimistic_reset_ratio=4 is invalid with env.start_states='first'"):
         BatchedEnv(CountedResets(2, 2), optimistic_reset_ratio=4, start_states="first")
+
+
+def test_a_step_traces_the_reset_once_and_twice_under_vmap():
+    core = TracedResets(2, 4)
+    env = BatchedEnv(core)
+    _, state = env.reset(jax.random.key(0), NUM_ENVS)
+    actions = jnp.zeros((NUM_ENVS,), jnp.int32)
+    core.traces = 0
+    jax.jit(env.step).lower(jax.random.key(1), state, actions)
+    assert core.traces == 1
+    members = jax.tree.map(lambda leaf: jnp.stack([leaf] * 3), state)
+    core.traces = 0
+    jax.jit(jax.vmap(env.step)).lower(jax.random.split(jax.random.key(1), 3), members, jnp.stack([actions] * 3))
+    assert core.traces == 2
 
 
 def batched_steps(env: BatchedEnv, keys: jax.Array, num_steps: int):

@@ -61,6 +61,10 @@ def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: 
     waits on the host for each check of a loop's condition (training CartPole, 2048 envs x
     128 steps on one H200: 18.3M env steps/s with the cond, 10.5M with the loop).
     """
+    # Both forms and the batched rule share one trace of `update`. Traced once per form, the
+    # reset inside the nested branches of a step was traced 4 times (12 under `vmap`, where it
+    # is now traced twice): 15 of the 24 s that tracing a CheetahRun step took on a CPU.
+    update = jax.jit(update)
 
     @jax.custom_batching.custom_vmap
     def branch(predicate: jax.Array, operands: Any) -> Any:
