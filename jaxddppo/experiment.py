@@ -1,7 +1,7 @@
 """The compiled programs of a population of members (a single run being a population of
 one): `build` and `assemble` go from a config to an `Experiment` (topology, environment,
 network, update settings, mesh), whose entry points `compile_programs` compiles: the
-initialisation, the chunk of updates and the periodic evaluation. Loading a trained policy
+initialisation, the chunk of updates and the evaluations. Loading a trained policy
 needs this module, not the training loop.
 """
 
@@ -212,17 +212,31 @@ class Experiment:
         )
         return shards.copies(stats, shard.shard_index.shape[0])
 
-    def final_evaluations(self, state: TrainState) -> list[EvalResult]:
+    def final_evaluations(self, state: TrainState, program: Optional[jax.stages.Compiled] = None
+                          ) -> list[EvalResult]:
         """Every member's final deterministic evaluation of its shard 0, on the host, one
-        member after another with one compiled program (`jaxddppo.evaluate` reproduces it)."""
+        member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
+        `program` (`Programs.final_evaluate`), else compiled now."""
         params, obs_moments = sharding.member_first_shards((state.params, state.obs_moments), self.mesh)
-        evaluate = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))
+        evaluate = program or self.lower_final_evaluation(state).compile()
         return [
-            evaluate(self.env, self.network, jax.tree.map(lambda leaf: leaf[member.index], params),
-                     final_eval_key(member.config), self.config.eval.num_episodes,
+            evaluate(jax.tree.map(lambda leaf: leaf[member.index], params), final_eval_key(member.config),
                      jax.tree.map(lambda leaf: leaf[member.index], obs_moments))
             for member in self.members
         ]
+
+    def lower_final_evaluation(self, state: TrainState) -> jax.stages.Lowered:
+        """`final_evaluations`' program, lowered from the shapes of `state` (its leaves, or
+        their shapes and dtypes) for one member's shard on this process's default device."""
+        state_axes = 2 if sharding.is_population(self.mesh) else 1  # [members,] shards
+
+        def one_shard(leaf: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(leaf.shape[state_axes:], leaf.dtype)
+
+        params, obs_moments = jax.tree.map(one_shard, (state.params, state.obs_moments))
+        key = jax.eval_shape(lambda: final_eval_key(self.config))
+        return jax.jit(evaluate_policy, static_argnums=(0, 1, 4)).lower(
+            self.env, self.network, params, key, self.config.eval.num_episodes, obs_moments)
 
 
 def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
@@ -296,6 +310,7 @@ class Programs:
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
     checksum: Callable[[TrainState], jax.Array]  # a checkpoint's digest (`sharding.shard_checksums`)
+    final_evaluate: Optional[jax.stages.Compiled]  # `Experiment.final_evaluations`' program, if asked for
 
     def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
                        mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
@@ -308,12 +323,13 @@ class Programs:
         return sharding.member_first_shards(stats, mesh)
 
 
-def compile_programs(experiment: Experiment) -> Programs:
+def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
     """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
-    the periodic evaluation, lowered from the initialisation's output shapes alone (nothing runs before every
-    program is compiled). Each program compiles as soon as it is lowered, the longest
-    first: XLA compiles without holding Python's GIL, so the next lowering runs beside
-    it. With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply."""
+    the periodic evaluation and the final one, lowered from the initialisation's output
+    shapes alone (nothing runs before every program is compiled). Each program compiles as
+    soon as it is lowered, the longest first: XLA compiles without holding Python's GIL, so
+    the next lowering runs beside it. With `run.cpu_tuning` on, `cpu_tuning.compiler_options`
+    apply, except to the final evaluation, compiled as `jaxddppo.evaluate` compiles it."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
@@ -322,17 +338,19 @@ def compile_programs(experiment: Experiment) -> Programs:
         lowerings["evaluate"] = lambda: experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, inputs
         )
+    if final_evaluation:
+        lowerings["final_evaluate"] = lambda: experiment.lower_final_evaluation(state)
     lowerings["checksum"] = lambda: sharding.checksum_program(experiment.mesh).lower(state)
     lowerings["init"] = traced_init.lower
     platform = experiment.mesh.devices.flat[0].platform
     options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
-               if cpu_tuning.is_on(experiment.config) else {} for name in lowerings}
+               if cpu_tuning.is_on(experiment.config) and name != "final_evaluate" else {} for name in lowerings}
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
         futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
                    for name, lower in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
-                    checksum=compiled["checksum"])
+                    checksum=compiled["checksum"], final_evaluate=compiled.get("final_evaluate"))
 
 
 def final_eval_key(config: Config) -> jax.Array:

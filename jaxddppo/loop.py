@@ -53,6 +53,8 @@ class TrainResult:
     counters: RunCounters
     compile_seconds: float
     stopped_by: Optional[str] = None
+    # The final evaluation's program, compiled beside the training's (None if it stopped early)
+    final_evaluate: Optional[jax.stages.Compiled] = None
 
     @property
     def preempted(self) -> bool:
@@ -159,7 +161,7 @@ def pbt_record(state: TrainState) -> Optional[pbt.PBTState]:
 def summarise(experiment: Experiment, trained: TrainResult) -> dict:
     """Evaluate the final policy deterministically and assemble summary.json."""
     config, topology, counters = experiment.config, experiment.topology, trained.counters
-    evaluation = experiment.final_evaluations(trained.state)[0]
+    evaluation = experiment.final_evaluations(trained.state, trained.final_evaluate)[0]
     eval_returns = np.asarray(evaluation.returns, np.float64)
     return {
         "env_id": config.env.id,
@@ -288,7 +290,7 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
         restored_update = counters.update if counters.update else None
         if is_writer:
             write_config(session.run_dir, config)  # with the resume's overrides, once they proved valid
-    programs = compile_programs(experiment)
+    programs = compile_programs(experiment, final_evaluation=stop_update == topology.num_updates)
     if state is None:
         state = programs.init(programs.inputs)
     plan = (counters.update, stop_update, topology.updates_per_chunk, config.checkpoint.every_updates)
@@ -314,7 +316,7 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     if counters.update not in (loop.saved_update, restored_update):
         checkpointer.save(state, counters, programs.checksum)
     return TrainResult(summary=None, state=state, run_dir=session.run_dir, counters=counters,
-                       compile_seconds=compile_seconds, stopped_by=stopped_by)
+                       compile_seconds=compile_seconds, stopped_by=stopped_by, final_evaluate=programs.final_evaluate)
 
 
 def open_pbt_log(experiment: Experiment, run_dir: str, state: TrainState, update: int) -> Optional[MetricsWriter]:

@@ -76,7 +76,7 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
     "jax_version": "JAX version",
     "env_steps_per_member": "environment steps done by each member",
     "total_env_steps": "environment steps done by the whole population",
-    "compile_seconds": "seconds spent compiling",
+    "compile_seconds": "seconds spent compiling the programs (training, evaluations) and making the first state",
     "train_seconds": "seconds of training, the host loop between chunks included (compile and evaluations excluded)",
     "env_steps_per_second": "total_env_steps / train_seconds: the throughput of the whole population",
     "best_setting": "swept values of the setting with the highest mean evaluation return over its seeds",
@@ -89,7 +89,7 @@ def member_rows(population: Experiment, trained: TrainResult) -> list[dict]:
     """The rows of sweep.csv: one per member; with PBT, each member's final hyperparameters,
     exploits and lineage follow."""
     digests = sharding.params_digests(trained.state.params, population.mesh)
-    evaluations = population.final_evaluations(trained.state)
+    evaluations = population.final_evaluations(trained.state, trained.final_evaluate)
     pbt_columns = pbt_member_columns(population, trained)
     rows = []
     for member, evaluation in zip(population.members, evaluations):

@@ -78,6 +78,7 @@ def test_stop_and_resume_is_bit_identical_to_one_go(one_go, tmp_path):
     run_dir = tmp_path / "run"
     first = run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=6)
     assert first.summary is None and first.stopped_by == "stop_after_updates" and first.counters.update == 6
+    assert first.final_evaluate is None  # no final evaluation to compile
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["4", "6"]
     resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
     assert resumed.counters.update == 12
@@ -468,6 +469,13 @@ def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
     result = finish(run_dir, [f"train.total_env_steps={(done + 2) * 128}"])
     assert result.returncode == 0, result.stderr
     assert [row["update"] for row in metric_rows(run_dir)] == list(range(1, done + 3))
+
+
+def test_a_finished_run_compiles_its_final_evaluation_with_its_training_programs(one_go):
+    assert isinstance(one_go.final_evaluate, jax.stages.Compiled)
+    experiment = build(small_config(one_go.run_dir), jax.devices()[:4])
+    compiled_at_the_end = experiment.final_evaluations(one_go.state)[0]
+    assert np.mean(np.asarray(compiled_at_the_end.returns, np.float64)) == one_go.summary["eval_return_mean"]
 
 
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
