@@ -218,7 +218,7 @@ class Experiment:
         member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
         `program` (`Programs.final_evaluate`), else compiled now."""
         params, obs_moments = sharding.member_first_shards((state.params, state.obs_moments), self.mesh)
-        evaluate = program or self.lower_final_evaluation(state).compile()
+        evaluate = program if program is not None else self.lower_final_evaluation(state).compile()
         return [
             evaluate(jax.tree.map(lambda leaf: leaf[member.index], params), final_eval_key(member.config),
                      jax.tree.map(lambda leaf: leaf[member.index], obs_moments))
