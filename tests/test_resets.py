@@ -163,7 +163,7 @@ def test_first_start_states_refuse_a_reset_ratio_they_would_ignore():
         BatchedEnv(CountedResets(2, 2), optimistic_reset_ratio=4, start_states="first")
 
 
-def test_a_step_traces_the_reset_once_and_twice_under_vmap():
+def test_a_step_traces_the_reset_once_and_at_most_twice_under_vmap():
     core = TracedResets(2, 4)
     env = BatchedEnv(core)
     _, state = env.reset(jax.random.key(0), NUM_ENVS)
@@ -174,7 +174,7 @@ def test_a_step_traces_the_reset_once_and_twice_under_vmap():
     members = jax.tree.map(lambda leaf: jnp.stack([leaf] * 3), state)
     core.traces = 0
     jax.jit(jax.vmap(env.step)).lower(jax.random.split(jax.random.key(1), 3), members, jnp.stack([actions] * 3))
-    assert core.traces == 2
+    assert core.traces <= 2  # twice up to jax 0.10 (the batched rule misses jit's cache), once from 0.11 on
 
 
 def batched_steps(env: BatchedEnv, keys: jax.Array, num_steps: int):
