@@ -1,6 +1,7 @@
 """Deterministic evaluation of a policy on device: one episode per environment.
 
-`evaluate_policy` runs a batch of episodes on one device. `evaluate_on_shards`
+`evaluate_policy` runs a batch of episodes on one device (`evaluate_policy_program`, its
+jitted form, for a run's final evaluation). `evaluate_on_shards`
 splits a fixed set of episodes over every shard and reduces the statistics over
 all of them; each episode's key comes from its global episode index, so the
 result does not depend on how many shards or devices run it.
@@ -95,6 +96,11 @@ def evaluate_policy(
 
     final = jax.lax.while_loop(not_done, step, init)
     return EvalResult(returns=final.returns, lengths=final.lengths)
+
+
+# The one jitted form of `evaluate_policy` for a run's final evaluation: `jaxddppo.evaluate`
+# reproduces summary.json's result only while both compile this same program.
+evaluate_policy_program = jax.jit(evaluate_policy, static_argnums=(0, 1, 4))
 
 
 def episodes_per_shard(num_episodes: int, num_shards: int) -> int:

@@ -23,7 +23,7 @@ from jaxddppo.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import ConfigError
 from jaxddppo.config_files import load_resume_config
-from jaxddppo.eval_episodes import EvalResult, evaluate_policy
+from jaxddppo.eval_episodes import EvalResult, evaluate_policy_program
 from jaxddppo.experiment import build, final_eval_key
 from jaxddppo.policy import Policy, load_policy
 from jaxddppo.population import SPEC_FILE, build_population, read_spec
@@ -36,7 +36,7 @@ def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[
     """
     episodes = policy.config.eval.num_episodes if num_episodes is None else num_episodes
     key = final_eval_key(policy.config) if seed is None else jax.random.key(seed)
-    return jax.jit(evaluate_policy, static_argnums=(0, 1, 4))(
+    return evaluate_policy_program(
         policy.env, policy.network, policy.params, key, episodes, policy.obs_moments
     )
 

@@ -20,7 +20,7 @@ from jax.flatten_util import ravel_pytree
 from jaxddppo import cpu_tuning, pbt, sharding, shards
 from jaxddppo.config import Config, ConfigError
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy
+from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy_program
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
@@ -235,7 +235,7 @@ class Experiment:
 
         params, obs_moments = jax.tree.map(one_shard, (state.params, state.obs_moments))
         key = jax.eval_shape(lambda: final_eval_key(self.config))
-        return jax.jit(evaluate_policy, static_argnums=(0, 1, 4)).lower(
+        return evaluate_policy_program.lower(
             self.env, self.network, params, key, self.config.eval.num_episodes, obs_moments)
 
 
@@ -333,21 +333,25 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
-    lowerings = {"learn": lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh))}
-    if experiment.config.eval.every_updates:
-        lowerings["evaluate"] = lambda: experiment.eval_fn().lower(
-            state.params, state.obs_moments, state.update_index, inputs
-        )
-    if final_evaluation:
-        lowerings["final_evaluate"] = lambda: experiment.lower_final_evaluation(state)
-    lowerings["checksum"] = lambda: sharding.checksum_program(experiment.mesh).lower(state)
-    lowerings["init"] = traced_init.lower
     platform = experiment.mesh.devices.flat[0].platform
-    options = {name: cpu_tuning.compiler_options(platform, runs_once=name == "init")
-               if cpu_tuning.is_on(experiment.config) and name != "final_evaluate" else {} for name in lowerings}
+
+    def tuned(runs_once: bool = False) -> dict:
+        return cpu_tuning.compiler_options(platform, runs_once) if cpu_tuning.is_on(experiment.config) else {}
+
+    # name: (lowering, compiler options)
+    lowerings = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
+                           tuned())}
+    if experiment.config.eval.every_updates:
+        lowerings["evaluate"] = (lambda: experiment.eval_fn().lower(
+            state.params, state.obs_moments, state.update_index, inputs
+        ), tuned())
+    if final_evaluation:
+        lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
+    lowerings["checksum"] = (lambda: sharding.checksum_program(experiment.mesh).lower(state), tuned())
+    lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
-        futures = {name: pool.submit(lambda name=name, lower=lower: lower().compile(options[name]))
-                   for name, lower in lowerings.items()}
+        futures = {name: pool.submit(lambda lower, options: lower().compile(options), lower, options)
+                   for name, (lower, options) in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
                     checksum=compiled["checksum"], final_evaluate=compiled.get("final_evaluate"))
