@@ -13,7 +13,8 @@
             `wrap_for_brax_training`, as Brax PPO steps it (restarts from each environment's
             cached first state), with the same random actions
 
-All run in one process, alternating over rounds, each timed over whole scans of
+Every scan and the first states compile at once, each in a thread of its own; then all run
+in one process, alternating over rounds, each timed over whole scans of
 `num_steps` steps until every environment has taken at least `steps_per_env` steps (by
 default two episodes of the environment's time limit, so restarts are inside the window).
 Used by families.py and gpu.py; nothing in jaxddppo imports it.
@@ -25,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -83,42 +85,48 @@ def batch_scan(env: BatchedEnv, num_steps: int) -> Callable:
     return scan_of(one, num_steps)
 
 
-def brax_contender(env: BatchedEnv, num_envs: int) -> tuple[Callable, Any]:
-    """A scan maker and first state of the Playground task behind `env` as Brax's training steps it."""
+def brax_training_env(env: BatchedEnv) -> Any:
+    """The Playground task behind `env` as Brax PPO trains it (Playground's training wrapper)."""
     from mujoco_playground import wrapper
 
     core = env.core
-    brax_env = wrapper.wrap_for_brax_training(core.env, episode_length=core.episode_length,
-                                              action_repeat=core.action_repeat)
+    return wrapper.wrap_for_brax_training(core.env, episode_length=core.episode_length,
+                                          action_repeat=core.action_repeat)
+
+
+def brax_scan(brax_env: Any, spec: Any) -> Callable:
+    """A scan maker over `brax_env`'s steps with the same random actions as the others."""
 
     def one(state: Any, step_key: jax.Array) -> tuple[Any, jax.Array]:
-        state = brax_env.step(state, random_actions(env.spec, step_key, state.obs))
+        state = brax_env.step(state, random_actions(spec, step_key, state.obs))
         return state, state.reward.sum()
 
-    def make_scan(unused_env: BatchedEnv, num_steps: int) -> Callable:
-        return scan_of(one, num_steps)
-
-    first = jax.jit(brax_env.reset)(jax.random.split(jax.random.PRNGKey(0), num_envs))
-    return make_scan, first
+    return lambda unused_env, num_steps: scan_of(one, num_steps)
 
 
-def initial_carries(env: BatchedEnv, num_envs: int, contenders: Sequence[str] = CONTENDERS,
-                    with_brax: bool = False) -> dict[str, tuple[Callable, Any]]:
-    """The jitted scan maker and first carry of each of `contenders` (and Brax's)."""
-    key = jax.random.key(0)
-    # Jitted: eagerly, a reset that settles a body over many physics steps dispatches each
-    # operation on its own (minutes for MJX's CheetahRun).
-    obs, state = jax.jit(env.reset, static_argnums=1)(key, num_envs)
-    carries: dict[str, tuple[Callable, Any]] = {"core": (core_scan, (obs, state.env_state)),
-                                                "batch": (batch_scan, (obs, state))}
-    if "batch_vmapped" in contenders:
-        grouped = jax.jit(jax.vmap(lambda group_key: env.reset(group_key, num_envs // GROUPS)))(
-            jax.random.split(key, GROUPS))
-        carries["batch_vmapped"] = (lambda env, steps: _vmapped(batch_scan(env, steps)), grouped)
-    carries = {name: carries[name] for name in contenders}
-    if with_brax:
-        carries["brax"] = brax_contender(env, num_envs)
-    return carries
+def contender_scans(env: BatchedEnv, num_envs: int, contenders: Sequence[str] = CONTENDERS,
+                    with_brax: bool = False) -> tuple[dict[str, Callable], Callable[[], dict[str, Any]]]:
+    """The scan maker of each of `contenders` (and Brax's), and a jittable function of no
+    arguments that returns each one's first carry."""
+    makers: dict[str, Callable] = {"core": core_scan, "batch": batch_scan,
+                                   "batch_vmapped": lambda env, steps: _vmapped(batch_scan(env, steps))}
+    makers = {name: makers[name] for name in contenders}
+    brax_env = brax_training_env(env) if with_brax else None
+    if brax_env is not None:
+        makers["brax"] = brax_scan(brax_env, env.spec)
+
+    def first_carries() -> dict[str, Any]:
+        key = jax.random.key(0)
+        obs, state = env.reset(key, num_envs)
+        carries = {"core": (obs, state.env_state), "batch": (obs, state)}
+        if "batch_vmapped" in makers:
+            carries["batch_vmapped"] = jax.vmap(lambda group_key: env.reset(group_key, num_envs // GROUPS))(
+                jax.random.split(key, GROUPS))
+        if brax_env is not None:
+            carries["brax"] = brax_env.reset(jax.random.split(jax.random.PRNGKey(0), num_envs))
+        return strongly_typed({name: carries[name] for name in makers})
+
+    return makers, first_carries
 
 
 def _vmapped(scan: Callable) -> Callable:
@@ -129,11 +137,27 @@ def _vmapped(scan: Callable) -> Callable:
     return grouped
 
 
+def compile_all(lowerings: dict[str, Callable[[], jax.stages.Lowered]]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Each program of `lowerings` lowered and compiled in a thread of its own (XLA compiles
+    without holding Python's GIL), and the seconds each took with the others beside it."""
+
+    def timed(lower: Callable[[], jax.stages.Lowered]) -> tuple[Any, float]:
+        start = time.perf_counter()
+        program = lower().compile()
+        return program, time.perf_counter() - start
+
+    with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
+        futures = {name: pool.submit(timed, lower) for name, lower in lowerings.items()}
+        done = {name: future.result() for name, future in futures.items()}
+    return {name: program for name, (program, _) in done.items()}, {name: seconds for name, (_, seconds) in done.items()}
+
+
 def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, steps_per_env: int = 0,
                   optimistic_reset_ratio: int = 1, start_states: str = "fresh",
                   with_brax: bool = False, contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
     """Steps/s of each of `contenders` (the core's always among them; medians over
-    `rounds`), their compile seconds, and the ratios to the core's rate."""
+    `rounds`), their compile seconds (every scan and the first states compile at once,
+    each beside the others), and the ratios to the core's rate."""
     if "core" not in contenders or not set(contenders) <= set(CONTENDERS):
         raise ValueError(f"contenders={list(contenders)} must include 'core' and name only {list(CONTENDERS)}")
     if num_envs % GROUPS:
@@ -141,18 +165,23 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
     env = make_env(env_id, optimistic_reset_ratio, start_states)
     steps_per_env = steps_per_env or default_steps_per_env(env, num_steps)
     scans_per_round = -(-steps_per_env // num_steps)
-    compiled, carries, compile_seconds = {}, {}, {}
-    for name, (make_scan, carry) in initial_carries(env, num_envs, contenders, with_brax).items():
-        function = jax.jit(make_scan(env, num_steps))
-        start = time.perf_counter()
-        carry, total = function(jax.random.key(1), strongly_typed(carry))
+    makers, first_carries = contender_scans(env, num_envs, contenders, with_brax)
+    # Jitted: eagerly, a reset that settles a body over many physics steps dispatches each
+    # operation on its own (minutes for MJX's CheetahRun).
+    traced_firsts = jax.jit(first_carries).trace()
+    shapes, step_key = traced_firsts.out_info, jax.random.key(1)
+    lowerings = {name: (lambda make_scan=make_scan, name=name:
+                        jax.jit(make_scan(env, num_steps)).lower(step_key, shapes[name]))
+                 for name, make_scan in makers.items()}
+    start = time.perf_counter()
+    compiled, compile_seconds = compile_all({**lowerings, "first carries": traced_firsts.lower})
+    compile_wall_seconds = time.perf_counter() - start
+    print(f"{env_id}: compiled {', '.join(f'{name} in {compile_seconds[name]:.1f} s' for name in compile_seconds)}, "
+          f"{compile_wall_seconds:.1f} s in all", file=sys.stderr, flush=True)
+    carries = compiled.pop("first carries")()
+    for name, function in compiled.items():  # an untimed first call of each
+        carries[name], total = function(step_key, carries[name])
         total.block_until_ready()
-        compile_seconds[name] = time.perf_counter() - start
-        print(f"{env_id} {name}: compiled in {compile_seconds[name]:.1f} s", file=sys.stderr, flush=True)
-        # A second untimed call: the first call's outputs carry shardings its inputs lacked.
-        carry, total = function(jax.random.key(2), carry)
-        total.block_until_ready()
-        compiled[name], carries[name] = function, carry
     rates: dict[str, list[float]] = {name: [] for name in compiled}
     for round_index in range(rounds):
         keys = jax.block_until_ready(list(jax.random.split(jax.random.key(3 + round_index), scans_per_round)))
@@ -169,7 +198,8 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
     return {
         "env_id": env_id, "num_envs": num_envs, "num_steps": num_steps, "start_states": start_states,
         "steps_per_env": scans_per_round * num_steps,
-        "steps_per_second": medians, "rounds": rates, "compile_seconds": compile_seconds,
+        "steps_per_second": medians, "rounds": rates, "compile_wall_seconds": compile_wall_seconds,
+        "compile_seconds": {name: compile_seconds[name] for name in compiled},
         **{f"{name}_over_core": medians[name] / medians["core"] for name in medians if name != "core"},
     }
 

@@ -348,6 +348,15 @@ def test_env_rates_step_first_start_states_and_refuse_brax_for_other_families(ca
         "error: --with-brax needs a playground: id, not 'CartPole-v1' (see --help)"]
 
 
+def test_env_rates_step_a_playground_task_as_brax_trains_it_beside_the_others():
+    pytest.importorskip("mujoco_playground")
+    result = env_rates.measure_rates("playground:CartpoleBalance", 8, 5, rounds=1, steps_per_env=10,
+                                     with_brax=True, contenders=("core", "batch"))
+    assert set(result["steps_per_second"]) == {"core", "batch", "brax"} == set(result["compile_seconds"])
+    assert result["brax_over_core"] > 0 and result["batch_over_core"] > 0
+    assert result["compile_wall_seconds"] >= max(result["compile_seconds"].values())
+
+
 def test_env_rates_default_window_covers_two_episodes_of_the_time_limit():
     from jaxddppo.envs import make_env
 
