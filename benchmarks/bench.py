@@ -67,6 +67,7 @@ import yaml
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS_DIR.parent
 PEERS_SCRIPT = BENCHMARKS_DIR / "peers.py"
+ENV_RATES_SCRIPT = BENCHMARKS_DIR / "env_rates.py"
 
 # The matched hyperparameters (PureJaxRL's CartPole defaults, constant learning rate:
 # rejax 0.1.3 has no learning-rate schedule).
@@ -351,6 +352,19 @@ def jaxddppo_result(run_dir: Path, seeds: int) -> dict[str, Any]:
         # A sweep of one setting: its mean over seeds.
         "final_return": summary["best_eval_return_mean"] if seeds else summary["eval_return_mean"],
     }
+
+
+def env_rates_command(env_id: str, num_envs: int, num_steps: int, out: Path, steps_per_env: int = 0,
+                      optimistic_reset_ratio: int = 1, start_states: str = "fresh",
+                      contenders: Optional[Sequence[str]] = None) -> list[str]:
+    """The command line of env_rates.py that measures these rates in a process of its own
+    and writes them as JSON to `out` (`contenders` None: env_rates.py's default, all three)."""
+    command = [sys.executable, str(ENV_RATES_SCRIPT), env_id, "--num-envs", str(num_envs),
+               "--num-steps", str(num_steps), "--steps-per-env", str(steps_per_env),
+               "--optimistic-reset-ratio", str(optimistic_reset_ratio), "--start-states", start_states]
+    if contenders is not None:
+        command += ["--contenders", ",".join(contenders)]
+    return command + ["--out", str(out)]
 
 
 def output_tail(path: Path, lines: int = 15) -> str:

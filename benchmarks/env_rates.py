@@ -1,5 +1,6 @@
 """An environment's own stepping rate beside the trainer's batched, auto-resetting one:
-`python benchmarks/env_rates.py ENV_ID --num-envs N --num-steps T [--rounds R] [--out FILE]`.
+`python benchmarks/env_rates.py ENV_ID --num-envs N --num-steps T [--rounds R] [--contenders
+core,batch] [--out FILE]`.
 
   core      the family adapter's `step` vmapped over the environments, with uniformly random
             (legal) actions, in one jitted `lax.scan`: no resets at all, the environment's
@@ -17,7 +18,8 @@ Every scan and the first states compile at once, each in a thread of its own; th
 in one process, alternating over rounds, each timed over whole scans of
 `num_steps` steps until every environment has taken at least `steps_per_env` steps (by
 default two episodes of the environment's time limit, so restarts are inside the window).
-Used by families.py and gpu.py; nothing in jaxddppo imports it.
+families.py and gpu.py run it, each measurement a process of its own
+(`bench.env_rates_command`); nothing in jaxddppo imports it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jaxddppo.envs.base import float_observation, random_actions, strongly_typed
 
 GROUPS = 4
 CONTENDERS = ("core", "batch", "batch_vmapped")
+LABELS = {"batch": "BatchedEnv", "batch_vmapped": f"vmapped in {GROUPS} groups", "brax": "Brax's training env"}
 
 
 def default_steps_per_env(env: BatchedEnv, num_steps: int) -> int:
@@ -218,6 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--optimistic-reset-ratio", type=int, default=1, help="env.optimistic_reset_ratio (default 1)")
     parser.add_argument("--start-states", choices=START_STATES, default="fresh",
                         help="env.start_states (default fresh)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated, the core among them (default {','.join(CONTENDERS)})")
     parser.add_argument("--with-brax", action="store_true",
                         help="also step a playground: task as Brax PPO does (Playground's training wrapper)")
     parser.add_argument("--out", help="write the result as JSON to this file")
@@ -228,13 +233,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--with-brax needs a playground: id, not {args.env_id!r}")
     if min(args.num_steps, args.rounds) < 1 or args.steps_per_env < 0:
         parser.error("--num-steps and --rounds must be at least 1, --steps-per-env at least 0")
+    contenders = tuple(name for name in args.contenders.split(",") if name)
+    if "core" not in contenders or not set(contenders) <= set(CONTENDERS):
+        parser.error(f"--contenders={args.contenders} must include core and name only {','.join(CONTENDERS)}")
     result = measure_rates(args.env_id, args.num_envs, args.num_steps, args.rounds, args.steps_per_env,
-                           args.optimistic_reset_ratio, args.start_states, args.with_brax)
+                           args.optimistic_reset_ratio, args.start_states, args.with_brax, contenders)
     rates = result["steps_per_second"]
     print(f"{args.env_id}, {args.num_envs} envs, {result['steps_per_env']} steps each per round: core "
-          f"{rates['core']:,.0f} steps/s, BatchedEnv {rates['batch']:,.0f} ({result['batch_over_core']:.2f}x), "
-          f"vmapped in {GROUPS} groups {rates['batch_vmapped']:,.0f} ({result['batch_vmapped_over_core']:.2f}x)"
-          + (f", Brax's training env {rates['brax']:,.0f} ({result['brax_over_core']:.2f}x)" if args.with_brax else ""))
+          f"{rates['core']:,.0f} steps/s"
+          + "".join(f", {LABELS[name]} {rates[name]:,.0f} ({result[f'{name}_over_core']:.2f}x)"
+                    for name in rates if name != "core"))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

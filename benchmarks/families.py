@@ -33,33 +33,30 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from bench import (EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT, cpu_description,
-                   machine_description, output_tail, read_cpuinfo, run_process, steady_state, versions_of)
+                   env_rates_command, machine_description, output_tail, read_cpuinfo, run_process, steady_state,
+                   versions_of)
+
+from jaxddppo.config_files import load_config
 
 DEVICE_COUNTS = (1, 2)
 PACKAGES = ("jax", "jaxlib", "flax", "gymnax", "navix", "xminigrid", "jumanji", "craftax", "playground", "mujoco-mjx")
 NUM_SHARDS = 2
 
 
-def env_rates(config_path: str, steps_per_env: int) -> dict[str, Any]:
-    """The core's and `BatchedEnv`'s steps/s of the config's environments (in a process of its own);
-    `steps_per_env` 0: two episodes of the time limit."""
-    from env_rates import measure_rates
-
-    from jaxddppo.config_files import load_config
-
+def rates_command(config_path: str, steps_per_env: int, out: Path) -> list[str]:
+    """env_rates.py's command line for the config's environments: its `env.num_envs`, scans
+    of `ppo.num_steps`, its reset settings; `steps_per_env` 0: two episodes of the time limit."""
     config = load_config(config_path)
-    return measure_rates(config.env.id, config.env.num_envs, config.ppo.num_steps, steps_per_env=steps_per_env,
-                         optimistic_reset_ratio=config.env.optimistic_reset_ratio,
-                         start_states=config.env.start_states)
+    return env_rates_command(config.env.id, config.env.num_envs, config.ppo.num_steps, out, steps_per_env,
+                             config.env.optimistic_reset_ratio, config.env.start_states)
 
 
 def run_rates(config_path: str, steps_per_env: int, scratch: Path, timeout: float) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--rates", config_path, "--steps-per-env", str(steps_per_env),
-               "--out", str(scratch / "rates.json")]
-    finished = run_process(command, dict(os.environ), scratch, timeout)
+    out = scratch / "rates.json"
+    finished = run_process(rates_command(config_path, steps_per_env, out), dict(os.environ), scratch, timeout)
     if finished.exit_code != 0:
         raise RuntimeError(f"stepping {config_path} failed:\n{output_tail(scratch / 'output.txt')}")
-    return json.loads((scratch / "rates.json").read_text())
+    return json.loads(out.read_text())
 
 
 def run_training(config_path: str, devices: int, env_steps: Optional[int], scratch: Path,
@@ -156,7 +153,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "time limit; Craftax's is 10,000)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a measurement may run (default 1800)")
     parser.add_argument("--out", help="write the machine, versions, table and every measurement as JSON")
-    parser.add_argument("--rates", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for path in args.configs:
         if not Path(path).is_file():
@@ -171,9 +167,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.rates:
-        Path(args.out).write_text(json.dumps(env_rates(args.configs[0], args.steps_per_env)))
-        return 0
     try:
         results = measure(args.configs, args.repeats, args.env_steps, args.steps_per_env, args.timeout)
     except RuntimeError as error:

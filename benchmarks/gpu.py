@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import OneLineParser, REPO_ROOT, output_tail, run_process, steady_state, versions_of
+from bench import OneLineParser, REPO_ROOT, env_rates_command, output_tail, run_process, steady_state, versions_of
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "mujoco", "mujoco-mjx",
             "playground", "warp-lang", "gymnax")
@@ -88,9 +88,8 @@ def python_environment() -> dict[str, str]:
 
 def run_rates(step: dict[str, Any], scratch: Path, timeout: float) -> dict[str, Any]:
     out = scratch / "rates.json"
-    command = [sys.executable, __file__, "--rates", step["env_id"], "--num-envs", str(step["num_envs"]),
-               "--num-steps", str(step["num_steps"]), "--steps-per-env", str(step["steps_per_env"]),
-               "--out-dir", str(out)]
+    command = env_rates_command(step["env_id"], step["num_envs"], step["num_steps"], out,
+                                steps_per_env=step["steps_per_env"], contenders=RATE_CONTENDERS)
     finished = run_process(command, python_environment(), scratch, timeout)
     if finished.exit_code != 0:
         raise RuntimeError(_failure(finished, scratch))
@@ -208,10 +207,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a check of the suite on any machine")
     parser.add_argument("--only", default="", help="comma-separated parts of step names: run only the steps "
                         "whose name contains one (e.g. cartpole,CheetahRun)")
-    parser.add_argument("--rates", metavar="ENV_ID", help=argparse.SUPPRESS)
-    parser.add_argument("--num-envs", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--num-steps", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--steps-per-env", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.budget_seconds <= 0 or args.step_timeout <= 0:
         parser.error(f"--budget-seconds={args.budget_seconds} and --step-timeout={args.step_timeout} must be positive")
@@ -220,13 +215,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.rates:
-        from env_rates import measure_rates
-
-        result = measure_rates(args.rates, args.num_envs, args.num_steps, steps_per_env=args.steps_per_env,
-                               contenders=RATE_CONTENDERS)
-        Path(args.out_dir).write_text(json.dumps(result))
-        return 0
     return run_suite(Path(args.out_dir), args.budget_seconds, args.quick, args.step_timeout,
                      [part for part in args.only.split(",") if part])
 

@@ -436,17 +436,36 @@ def test_families_bad_arguments_are_one_line_and_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == ["error: --steps-per-env=-1 must be at least 0 (see --help)"]
 
 
-def test_families_rates_step_the_configs_environments_for_the_steps_asked(tmp_path, monkeypatch):
+def test_families_rates_step_the_configs_environments_for_the_steps_asked(tmp_path):
     config_path = tmp_path / "cartpole.yaml"
     config_path.write_text(yaml.safe_dump({"env": {"id": "CartPole-v1", "num_envs": 64,
                                                    "start_states": "first"}, "ppo": {"num_steps": 16}}))
-    calls = []
-    monkeypatch.setattr(env_rates, "measure_rates", lambda *args, **kwargs: calls.append((args, kwargs)) or {})
     out = tmp_path / "rates.json"
-    assert families.main(["--rates", str(config_path), "--steps-per-env", "512", "--out", str(out)]) == 0
-    assert calls == [(("CartPole-v1", 64, 16),
-                      {"steps_per_env": 512, "optimistic_reset_ratio": 1, "start_states": "first"})]
-    assert json.loads(out.read_text()) == {}
+    assert families.rates_command(str(config_path), 512, out) == [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "env_rates.py"), "CartPole-v1", "--num-envs", "64",
+        "--num-steps", "16", "--steps-per-env", "512", "--optimistic-reset-ratio", "1", "--start-states", "first",
+        "--out", str(out)]
+
+
+def test_env_rates_command_measures_the_contenders_asked_in_a_process_of_its_own(tmp_path):
+    out = tmp_path / "rates.json"
+    command = bench.env_rates_command("Pendulum-v1", 8, 5, out, steps_per_env=10, contenders=("core", "batch"))
+    process = subprocess.run(command + ["--rounds", "1"], capture_output=True, text=True, cwd=tmp_path,
+                             env=subprocess_env(1), timeout=300)
+    assert process.returncode == 0, process.stderr
+    result = json.loads(out.read_text())
+    assert set(result["steps_per_second"]) == {"core", "batch"} and result["steps_per_env"] == 10
+    assert process.stdout.strip() == (
+        f"Pendulum-v1, 8 envs, 10 steps each per round: core {result['steps_per_second']['core']:,.0f} steps/s, "
+        f"BatchedEnv {result['steps_per_second']['batch']:,.0f} ({result['batch_over_core']:.2f}x)")
+
+
+def test_env_rates_refuses_contenders_without_the_core_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        env_rates.main(["Pendulum-v1", "--contenders", "batch,brax"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --contenders=batch,brax must include core and name only core,batch,batch_vmapped (see --help)"]
 
 
 @pytest.mark.parametrize("exact, expected", [
