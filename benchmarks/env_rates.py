@@ -44,6 +44,11 @@ CONTENDERS = ("core", "batch", "batch_vmapped")
 LABELS = {"batch": "BatchedEnv", "batch_vmapped": f"vmapped in {GROUPS} groups", "brax": "Brax's training env"}
 
 
+def valid_contenders(contenders: Sequence[str]) -> bool:
+    """The core among them, and nothing but `CONTENDERS`."""
+    return "core" in contenders and set(contenders) <= set(CONTENDERS)
+
+
 def default_steps_per_env(env: BatchedEnv, num_steps: int) -> int:
     """Two episodes of the time limit where one is known, else 16 scans."""
     return 2 * env.spec.max_episode_steps if env.spec.max_episode_steps else 16 * num_steps
@@ -161,7 +166,7 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
     """Steps/s of each of `contenders` (the core's always among them; medians over
     `rounds`), their compile seconds (every scan and the first states compile at once,
     each beside the others), and the ratios to the core's rate."""
-    if "core" not in contenders or not set(contenders) <= set(CONTENDERS):
+    if not valid_contenders(contenders):
         raise ValueError(f"contenders={list(contenders)} must include 'core' and name only {list(CONTENDERS)}")
     if num_envs % GROUPS:
         raise ValueError(f"num_envs={num_envs} must be a multiple of {GROUPS} (the vmapped groups)")
@@ -215,7 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("env_id", help="an env.id, e.g. playground:CheetahRun")
     parser.add_argument("--num-envs", type=int, default=256, help="environments (a multiple of 4; default 256)")
     parser.add_argument("--num-steps", type=int, default=32, help="steps per jitted scan (default 32)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the three contenders (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the contenders (default 2)")
     parser.add_argument("--steps-per-env", type=int, default=0,
                         help="steps each environment takes per round (default: two episodes of the time limit)")
     parser.add_argument("--optimistic-reset-ratio", type=int, default=1, help="env.optimistic_reset_ratio (default 1)")
@@ -234,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if min(args.num_steps, args.rounds) < 1 or args.steps_per_env < 0:
         parser.error("--num-steps and --rounds must be at least 1, --steps-per-env at least 0")
     contenders = tuple(name for name in args.contenders.split(",") if name)
-    if "core" not in contenders or not set(contenders) <= set(CONTENDERS):
+    if not valid_contenders(contenders):
         parser.error(f"--contenders={args.contenders} must include core and name only {','.join(CONTENDERS)}")
     result = measure_rates(args.env_id, args.num_envs, args.num_steps, args.rounds, args.steps_per_env,
                            args.optimistic_reset_ratio, args.start_states, args.with_brax, contenders)
