@@ -38,6 +38,9 @@ Suites:
   reductions  the price of train.exact_reductions: the large config on 2 devices, exact
               (the default) against train.exact_reductions=false (a run of one shard runs
               the same program either way)
+  cpu-devices where the train command starts splitting the CPU (one device per core from 16
+              environments a device on): the small config with 8, 16 and 32 environments
+              on 2 devices against 1, XLA's default thread pool
 
 A trial's CPU thread count is XLA's CPU thread pool size, set through
 PJRT_NPROC for every contender (0: XLA's default, one thread per core); its
@@ -88,11 +91,15 @@ SMALL_CONFIG: dict[str, Any] = {
     "max_grad_norm": 0.5,
     "total_env_steps": 500_000,
 }
+# The cpu-devices suite's environment counts: 4, 8 and 16 environments a device on 2 devices.
+CPU_DEVICES_NUM_ENVS = (8, 16, 32)
 CONFIGS: dict[str, dict[str, Any]] = {
     "small": SMALL_CONFIG,
     "large": {**SMALL_CONFIG, "num_envs": 2048, "total_env_steps": 2048 * 128 * 20},
+    **{f"small-{num_envs}": {**SMALL_CONFIG, "num_envs": num_envs, "total_env_steps": 1_000_000}
+       for num_envs in CPU_DEVICES_NUM_ENVS},
 }
-SUITES = ("small", "large", "scaling", "population", "guard", "reductions")
+SUITES = ("small", "large", "scaling", "population", "guard", "reductions", "cpu-devices")
 DEFAULT_SUITES = ("small", "large", "scaling", "population")
 CHECKOUTS = ("jaxddppo", "baseline")  # contenders that are checkouts of jaxddppo
 PEERS = ("rejax", "purejaxrl")
@@ -194,9 +201,14 @@ def reductions_rows(peers: Sequence[str]) -> list[Comparison]:
                        Trial("jaxddppo", "large", 2, exact_reductions=False))]
 
 
+def cpu_devices_rows(peers: Sequence[str]) -> list[Comparison]:
+    return [Comparison("cpu-devices", Trial("jaxddppo", f"small-{num_envs}", 2), Trial("jaxddppo", f"small-{num_envs}"))
+            for num_envs in CPU_DEVICES_NUM_ENVS]
+
+
 SUITE_ROWS: dict[str, Callable[[Sequence[str]], list[Comparison]]] = {
     "small": small_rows, "large": large_rows, "scaling": scaling_rows, "population": population_rows,
-    "guard": guard_rows, "reductions": reductions_rows,
+    "guard": guard_rows, "reductions": reductions_rows, "cpu-devices": cpu_devices_rows,
 }
 
 

@@ -7,7 +7,9 @@ contenders train with the same interpreter, the same JAX and the same MJX, in pu
 
 For each task both contenders train the same sizes and hyperparameters (`TASKS`), each trial a
 fresh process, alternating jaxddppo, Brax, jaxddppo, Brax ... over `--repeats` rounds; round r
-trains seed r on both sides.
+trains seed r on both sides. Each takes the CPU devices its command takes by default: Brax one
+(JAX's default), jaxddppo one per core as its sizes allow (`--jaxddppo-cpu-devices N` sets
+jaxddppo's `run.cpu_devices`, 1 for the same device as Brax).
 
   jaxddppo  `python -m jaxddppo.train --config <generated YAML>` with this checkout first on
             PYTHONPATH; steady-state steps/s from metrics.jsonl after the first chunk of updates
@@ -126,7 +128,7 @@ def jaxddppo_config(task: str, spec: Mapping[str, Any], seed: int, run_dir: Path
         "train": {"total_env_steps": spec["total_env_steps"], "seed": seed},
         "eval": {"num_episodes": spec["eval_episodes"]},
         "checkpoint": {"every_updates": 0, "every_seconds": 0},
-        "run": {"dir": str(run_dir), "progress": False},
+        "run": {"dir": str(run_dir), "progress": False, "cpu_devices": spec.get("cpu_devices", 0)},
     }
 
 
@@ -156,12 +158,15 @@ def trial_command(contender: str, task: str, spec: Mapping[str, Any], seed: int,
     return [sys.executable, str(BRAX_PEER_SCRIPT)] + brax_arguments(task, spec, seed, scratch / "result.json")
 
 
-def trial_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """`environ` for a trial: one CPU device, XLA's default thread pool (no PJRT_NPROC or NPROC
-    inherited) and this checkout first on PYTHONPATH, for both contenders."""
+def trial_environment(contender: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a trial: XLA's default thread pool (no PJRT_NPROC or NPROC inherited), this
+    checkout first on PYTHONPATH, and the CPU devices each command takes by default: one for
+    Brax, jaxddppo's own choice (no device count in XLA_FLAGS: `run.cpu_devices` decides)."""
     env = {key: value for key, value in environ.items() if key not in ("PJRT_NPROC", "NPROC")}
     flags = [flag for flag in env.get("XLA_FLAGS", "").split() if not flag.startswith(CPU_DEVICE_COUNT_FLAG)]
-    env["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICE_COUNT_FLAG}=1"])
+    if contender == "brax":
+        flags.append(f"{CPU_DEVICE_COUNT_FLAG}=1")
+    env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environ.get("PYTHONPATH")]))
     return env
 
@@ -171,7 +176,7 @@ def jaxddppo_result(run_dir: Path) -> dict[str, Any]:
     steady_steps, steady_seconds = steady_state(run_dir / "metrics.jsonl", 1)
     return {"env_steps": summary["total_env_steps"], "steady_env_steps": steady_steps,
             "steady_seconds": steady_seconds, "compile_seconds": summary["compile_seconds"],
-            "eval_return": summary["eval_return_mean"]}
+            "eval_return": summary["eval_return_mean"], "devices": summary["num_devices"]}
 
 
 def brax_result(path: Path) -> dict[str, Any]:
@@ -188,7 +193,7 @@ def run_trial(contender: str, task: str, spec: Mapping[str, Any], seed: int, tim
         scratch = Path(name)
         command = trial_command(contender, task, spec, seed, scratch)
         start = time.perf_counter()
-        finished = run_process(command, trial_environment(os.environ), scratch, timeout)
+        finished = run_process(command, trial_environment(contender, os.environ), scratch, timeout)
         wall_seconds = time.perf_counter() - start
         if finished.timed_out:
             raise BenchError(f"{label}: no result within {timeout:.0f} s")
@@ -238,6 +243,7 @@ def summarise(tasks: Sequence[str], measurements: Mapping[Key, list[dict[str, An
             for key in ("steps_per_second", "eval_return", "env_steps", "wall_seconds"):
                 row[f"{contender}_{key}"] = statistics.median(result[key] for result in results)
             row[f"{contender}_eval_returns"] = [result["eval_return"] for result in results]
+        row["jaxddppo_devices"] = max(result["devices"] for result in ours)
         row["round_ratios"] = [a["steps_per_second"] / b["steps_per_second"] for a, b in zip(ours, brax, strict=True)]
         row["steps_per_second_ratio"] = statistics.median(row["round_ratios"])
         table.append(row)
@@ -245,15 +251,15 @@ def summarise(tasks: Sequence[str], measurements: Mapping[Key, list[dict[str, An
 
 
 def format_table(table: Sequence[dict[str, Any]]) -> str:
-    lines = ["| task | env steps | jaxddppo steps/s | Brax steps/s | jaxddppo / Brax | jaxddppo eval return | "
-             "Brax eval return | jaxddppo wall s | Brax wall s |",
-             "|" + "---|" * 9]
+    lines = ["| task | env steps | jaxddppo devices | jaxddppo steps/s | Brax steps/s | jaxddppo / Brax | "
+             "jaxddppo eval return | Brax eval return | jaxddppo wall s | Brax wall s |",
+             "|" + "---|" * 10]
     for row in table:
         steps = f"{row['jaxddppo_env_steps']:,.0f}"
         if row["brax_env_steps"] != row["jaxddppo_env_steps"]:
             steps += f" / {row['brax_env_steps']:,.0f}"
         lines.append(
-            f"| {row['task']} | {steps} | {row['jaxddppo_steps_per_second']:,.0f} | "
+            f"| {row['task']} | {steps} | {row['jaxddppo_devices']} | {row['jaxddppo_steps_per_second']:,.0f} | "
             f"{row['brax_steps_per_second']:,.0f} | {row['steps_per_second_ratio']:.2f} | "
             f"{row['jaxddppo_eval_return']:.1f} | {row['brax_eval_return']:.1f} | "
             f"{row['jaxddppo_wall_seconds']:.0f} | {row['brax_wall_seconds']:.0f} |")
@@ -299,6 +305,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "Brax's training calls), e.g. for a quick check")
     parser.add_argument("--start-states", choices=START_STATES, default="fresh",
                         help="jaxddppo's env.start_states (default fresh; first restarts as Brax does)")
+    parser.add_argument("--jaxddppo-cpu-devices", type=int, default=0, metavar="N",
+                        help="jaxddppo's run.cpu_devices (default 0: the train command's own choice, one device per "
+                        "core as its sizes allow; 1: one device, as Brax)")
     parser.add_argument("--out", metavar="FILE", help="write the raw measurements and the table as JSON to FILE")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed per trial (default 1200)")
     args = parser.parse_args(argv)
@@ -322,13 +331,15 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--total-env-steps={args.total_env_steps} must be at least 1"
     if args.timeout <= 0:
         return f"--timeout={args.timeout} must be positive"
+    if args.jaxddppo_cpu_devices < 0:
+        return f"--jaxddppo-cpu-devices={args.jaxddppo_cpu_devices} must be 0 (the command's choice) or more"
     return None
 
 
 def task_specs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     total = args.total_env_steps
     return {task: {**with_total(TASKS[task], total if total is not None else TASKS[task]["total_env_steps"]),
-                   "start_states": args.start_states}
+                   "start_states": args.start_states, "cpu_devices": args.jaxddppo_cpu_devices}
             for task in args.tasks}
 
 

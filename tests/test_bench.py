@@ -56,6 +56,20 @@ def test_every_suite_alternates_distinct_trials():
     assert [(row.numerator.cpu_threads, row.denominator.cpu_threads) for row in population[-2:]] == [(1, 0), (1, 1)]
 
 
+def test_the_cpu_devices_suite_puts_2_devices_against_1_from_4_to_16_envs_each():
+    rows = bench.comparisons(["cpu-devices"], ["rejax"])
+    assert [(row.numerator.config, row.numerator.devices, row.denominator.devices) for row in rows] == [
+        ("small-8", 2, 1), ("small-16", 2, 1), ("small-32", 2, 1)]
+    assert {row.numerator.contender for row in rows} | {row.denominator.contender for row in rows} == {"jaxddppo"}
+    for row in rows:
+        spec = bench.CONFIGS[row.numerator.config]
+        assert {key: value for key, value in spec.items() if key not in ("num_envs", "total_env_steps")} == {
+            key: value for key, value in bench.SMALL_CONFIG.items() if key not in ("num_envs", "total_env_steps")}
+        # The device count is the trial's, not the train command's default split.
+        env = bench.trial_environment(row.denominator, {}, REPO_ROOT)
+        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=1"
+
+
 def test_the_guard_measures_both_checkouts_defaults_on_the_same_trials():
     guard = bench.comparisons(["guard"], ["rejax"])
     assert all(row.numerator == replace(row.denominator, contender="jaxddppo") for row in guard)
@@ -191,9 +205,9 @@ PUREJAXRL = bench.PUREJAXRL_URL
 
 @pytest.mark.parametrize("argv, message", [
     (["--suites", "small,fast"],
-     "--suites=fast is not a suite; choose from small, large, scaling, population, guard, reductions"),
+     "--suites=fast is not a suite; choose from small, large, scaling, population, guard, reductions, cpu-devices"),
     (["--suites", ""],
-     "--suites=(none) is not a suite; choose from small, large, scaling, population, guard, reductions"),
+     "--suites=(none) is not a suite; choose from small, large, scaling, population, guard, reductions, cpu-devices"),
     (["--peers", "rejax,cleanrl"], "--peers=cleanrl is not a peer; choose from rejax, purejaxrl"),
     (["--suites", "guard"], "--suites=guard needs --baseline PATH, another checkout of jaxddppo"),
     (["--baseline", str(REPO_ROOT)], "--baseline is read only by the guard suite; add guard to --suites"),

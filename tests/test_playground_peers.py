@@ -16,9 +16,9 @@ import brax_peer  # noqa: E402  (benchmarks/ is a folder of scripts, not a packa
 import playground_peers as peers  # noqa: E402
 
 
-def result(steps_per_second, eval_return, env_steps=3_145_728, wall_seconds=100.0):
+def result(steps_per_second, eval_return, env_steps=3_145_728, wall_seconds=100.0, devices=1):
     return {"steps_per_second": steps_per_second, "eval_return": eval_return, "env_steps": env_steps,
-            "wall_seconds": wall_seconds}
+            "wall_seconds": wall_seconds, "devices": devices}
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -28,6 +28,7 @@ def result(steps_per_second, eval_return, env_steps=3_145_728, wall_seconds=100.
     (["--repeats", "0"], "--repeats=0 must be at least 1"),
     (["--total-env-steps", "-5"], "--total-env-steps=-5 must be at least 1"),
     (["--timeout", "0"], "--timeout=0.0 must be positive"),
+    (["--jaxddppo-cpu-devices", "-1"], "--jaxddppo-cpu-devices=-1 must be 0"),
     (["--repeats", "three"], "invalid int value"),
     (["--seeds", "3"], "unrecognized arguments: --seeds 3"),
 ])
@@ -130,7 +131,8 @@ def test_brax_steady_state_leaves_out_the_calls_that_compile():
 
 def test_table_reports_medians_and_the_median_of_round_ratios():
     measurements = {
-        ("CartpoleBalance", "jaxddppo"): [result(100.0, 990.0), result(300.0, 995.0), result(120.0, 900.0)],
+        ("CartpoleBalance", "jaxddppo"): [result(100.0, 990.0, devices=2), result(300.0, 995.0, devices=2),
+                                          result(120.0, 900.0, devices=2)],
         ("CartpoleBalance", "brax"): [result(50.0, 800.0), result(100.0, 980.0, wall_seconds=300.0),
                                       result(240.0, 700.0)],
     }
@@ -144,8 +146,9 @@ def test_table_reports_medians_and_the_median_of_round_ratios():
     assert row["brax_wall_seconds"] == 100.0
     table = peers.format_table([row])
     lines = table.splitlines()
-    assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 10
-    assert "| CartpoleBalance | 3,145,728 | 120 | 100 | 2.00 | 990.0 | 800.0 | 100 | 100 |" == lines[2]
+    assert row["jaxddppo_devices"] == 2
+    assert len(lines) == 3 and lines[0].count("|") == lines[2].count("|") == 11
+    assert "| CartpoleBalance | 3,145,728 | 2 | 120 | 100 | 2.00 | 990.0 | 800.0 | 100 | 100 |" == lines[2]
 
 
 def test_rounds_alternate_the_contenders_with_one_seed_per_round(capsys):
@@ -164,10 +167,20 @@ def test_rounds_alternate_the_contenders_with_one_seed_per_round(capsys):
     assert capsys.readouterr().out.count("round ") == 8
 
 
-def test_trial_environment_is_one_device_default_threads_this_checkout_first():
-    env = peers.trial_environment({"PJRT_NPROC": "1", "NPROC": "3", "PYTHONPATH": "/elsewhere",
-                                   "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_x=1"})
-    assert "PJRT_NPROC" not in env and "NPROC" not in env
-    assert env["XLA_FLAGS"] == "--xla_cpu_x=1 --xla_force_host_platform_device_count=1"
-    assert env["PYTHONPATH"].split(":") == [str(REPO_ROOT), "/elsewhere"]
+def test_trial_environment_is_each_commands_devices_default_threads_this_checkout_first():
+    environ = {"PJRT_NPROC": "1", "NPROC": "3", "PYTHONPATH": "/elsewhere",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_x=1"}
+    brax, ours = peers.trial_environment("brax", environ), peers.trial_environment("jaxddppo", environ)
+    for env in (brax, ours):
+        assert "PJRT_NPROC" not in env and "NPROC" not in env
+        assert env["PYTHONPATH"].split(":") == [str(REPO_ROOT), "/elsewhere"]
+    assert brax["XLA_FLAGS"] == "--xla_cpu_x=1 --xla_force_host_platform_device_count=1"
+    assert ours["XLA_FLAGS"] == "--xla_cpu_x=1"  # the train command decides its devices
     assert Path(peers.BRAX_PEER_SCRIPT).is_file()
+
+
+def test_jaxddppo_cpu_devices_reach_its_config(tmp_path):
+    spec = {**peers.TASKS["CheetahRun"], "cpu_devices": 1}
+    assert peers.jaxddppo_config("CheetahRun", spec, 0, tmp_path)["run"]["cpu_devices"] == 1
+    assert peers.jaxddppo_config("CheetahRun", peers.TASKS["CheetahRun"], 0, tmp_path)["run"]["cpu_devices"] == 0
+    assert peers.task_specs(peers.parse_args(["--jaxddppo-cpu-devices", "1"]))["CheetahRun"]["cpu_devices"] == 1
