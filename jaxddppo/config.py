@@ -184,8 +184,10 @@ class RunConfig:
     )
     cpu_devices: int = _opt(
         0, "JAX devices the CPU is split into, set (as jax_num_cpu_devices) before JAX starts its backend; "
-        "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count); python -m jaxddppo.sweep "
-        "then takes one device per core, as many as divide the member count (docs/sweeps.md). The CPU backend only"
+        "0: JAX's default, one (or XLA_FLAGS' --xla_force_host_platform_device_count), where python -m "
+        "jaxddppo.train takes one device per core, as many as train.num_shards (if set) and the sizes allow with "
+        "at least 16 environments each, and python -m jaxddppo.sweep as many as divide the member count "
+        "(docs/sweeps.md); either records its choice in config.yaml. The CPU backend only"
     )
     cpu_tuning: str = _opt(
         "auto", "the CPU switch (jaxddppo.cpu_tuning): on, minibatch orders drawn by sorts of integers, Dense kernel "

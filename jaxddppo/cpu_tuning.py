@@ -20,15 +20,18 @@ random orders), not in the algorithm:
   barrier keeps XLA from folding the transpose back into the product), a layout XLA's CPU
   backend multiplies faster than the one autodiff leaves it.
 
-Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the sweep
-command's default of one device per core) and XLA's thread pool (`run.cpu_threads`) are set
-here too, before JAX starts its backend. Importing this module changes nothing in JAX.
+Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the train and
+sweep commands' default of one device per core) and XLA's thread pool (`run.cpu_threads`) are
+set here too, before JAX starts its backend. Importing this module changes nothing in JAX.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import math
 import os
+import pkgutil
 from dataclasses import replace
 from typing import Any, Mapping, Optional
 
@@ -37,8 +40,9 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
-from jaxddppo.config import Config
+from jaxddppo.config import Config, ConfigError
 from jaxddppo.config_files import with_overrides
+from jaxddppo.topology import make_topology
 
 # The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -51,6 +55,11 @@ _HAS_OLDER_KERNEL_EMITTER = jax.__version_info__ < (0, 11, 1)
 
 # JAX's criterion for the random bits a shuffle needs: 3 x log2(n), so that ties are rare.
 _BITS_PER_ELEMENT_FACTOR = 3
+
+# The fewest environments per device with which the train command splits the CPU: CartPole
+# (128-step rollouts, 4 x 4 minibatches, 64x64) trained on 2 devices of a 2-core CPU at 0.89x
+# of one device with 4 environments each, 1.15x with 8 and 1.26x with 16 (docs/benchmarks.md).
+MIN_ENVS_PER_CPU_DEVICE = 16
 
 
 def resolve(config: Config, platform: str) -> Config:
@@ -227,12 +236,27 @@ def set_up_cpu(config: Config) -> list[str]:
 def cpu_device_count_open(config: Config, environ: Mapping[str, str]) -> bool:
     """Whether this process will run on CPU devices whose count nothing has decided yet:
     not `run.cpu_devices`, XLA_FLAGS' device count, a multi-process run (`distributed.*`)
-    or a backend that has started already, and JAX_PLATFORMS, if set, names the CPU first."""
+    or a backend that has started already, and JAX runs on the CPU: JAX_PLATFORMS names it
+    first, or is unset and no accelerator's plugin is installed."""
     distributed = config.distributed.coordinator is not None or config.distributed.auto
     decided = (config.run.cpu_devices > 0 or CPU_DEVICE_COUNT_FLAG in environ.get("XLA_FLAGS", "") or distributed
                or backend_started())
-    platform = (environ.get("JAX_PLATFORMS") or "cpu").split(",")[0].strip()
-    return not decided and platform == "cpu"
+    platforms = environ.get("JAX_PLATFORMS")
+    if platforms:
+        on_cpu = platforms.split(",")[0].strip() == "cpu"
+    else:
+        on_cpu = not accelerator_plugin_installed()
+    return not decided and on_cpu
+
+
+def accelerator_plugin_installed() -> bool:
+    """Whether JAX finds an accelerator here before it starts, where it looks: PJRT plugins
+    (CUDA, ROCm, ...) as entry points of the group `jax_plugins` or modules of the namespace
+    package `jax_plugins`, and libtpu."""
+    if importlib.metadata.entry_points(group="jax_plugins") or importlib.util.find_spec("libtpu") is not None:
+        return True
+    namespace = importlib.util.find_spec("jax_plugins")
+    return namespace is not None and any(pkgutil.iter_modules(namespace.submodule_search_locations or []))
 
 
 def usable_cpu_cores() -> int:
@@ -247,15 +271,32 @@ def cpu_devices_per_core(num_members: int, num_cores: int) -> int:
     return max(devices for devices in range(1, min(num_members, num_cores) + 1) if num_members % devices == 0)
 
 
-def with_cpu_device_per_core(config: Config, num_members: int, num_cores: int,
-                             environ: Mapping[str, str]) -> Config:
-    """The sweep command's default for `run.cpu_devices`: one CPU device per core, as many
-    as divide the member count, where the CPU switch is not off, nothing else decides the
-    device count and JAX runs on the CPU (`cpu_device_count_open`). Members never
-    communicate, and on one device XLA's thread pool gains little from more cores for them.
-    The Python API leaves the count alone: the devices of a process are fixed once JAX
-    starts, and a training run in the same process would share its gradients over all of them."""
-    if config.run.cpu_tuning == "off" or not cpu_device_count_open(config, environ):
+def cpu_devices_for_run(config: Config, num_cores: int) -> int:
+    """The most CPU devices, at most one per core, that a run of `config` can be split over
+    with at least MIN_ENVS_PER_CPU_DEVICE environments each: as many as divide
+    `train.num_shards` where it is set (the run then computes the same bits on any of them),
+    else one shard per device with every size dividing (`make_topology`)."""
+    most = min(num_cores, config.env.num_envs // MIN_ENVS_PER_CPU_DEVICE)
+    for devices in range(most, 1, -1):
+        try:
+            make_topology(config, num_devices=devices, num_processes=1)
+        except ConfigError:
+            continue
+        return devices
+    return 1
+
+
+def with_cpu_devices(config: Config, devices: int, environ: Mapping[str, str]) -> Config:
+    """The commands' default for `run.cpu_devices`: `config` with the CPU split into
+    `devices` devices where that is more than one, the CPU switch is not off, nothing else
+    decides the device count and JAX runs on the CPU (`cpu_device_count_open`); else `config`.
+
+    One XLA CPU device runs most of a program's operations on one core, and a split puts
+    each device on a core of its own. The train command splits by `cpu_devices_for_run`,
+    the sweep command by `cpu_devices_per_core` of the member count (members never
+    communicate). The Python API leaves the count alone: the devices of a process are fixed
+    once JAX starts, and a training run later in the same process would share its
+    gradients over all of them."""
+    if devices == 1 or config.run.cpu_tuning == "off" or not cpu_device_count_open(config, environ):
         return config
-    devices = cpu_devices_per_core(num_members, num_cores)
-    return config if devices == 1 else with_overrides(config, {"run.cpu_devices": devices})
+    return with_overrides(config, {"run.cpu_devices": devices})

@@ -359,7 +359,8 @@ def start(args: argparse.Namespace) -> SweepResult:
     config = load_config(args.config, plain)
     if args.member_devices is None:
         num_members = len(expand_members(config, grid, args.seeds))
-        split = cpu_tuning.with_cpu_device_per_core(config, num_members, cpu_tuning.usable_cpu_cores(), os.environ)
+        devices = cpu_tuning.cpu_devices_per_core(num_members, cpu_tuning.usable_cpu_cores())
+        split = cpu_tuning.with_cpu_devices(config, devices, os.environ)
         if split is not config and config.run.progress:
             print(f"jaxddppo sweep: run.cpu_devices={split.run.cpu_devices}, one CPU device per core for "
                   f"{num_members} members (run.cpu_devices=1 keeps one device)", flush=True)

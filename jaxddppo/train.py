@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import jax
 
-from jaxddppo import distributed
+from jaxddppo import cpu_tuning, distributed
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import RESUMABLE_KEYS, Config
@@ -91,6 +91,18 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
+def with_cpu_device_per_core(config: Config) -> Config:
+    """The command's default on a CPU: one device per core, as many as the run's sizes split
+    over with enough environments each (`cpu_tuning.cpu_devices_for_run`), where nothing
+    else decides the device count; says so when it splits."""
+    devices = cpu_tuning.cpu_devices_for_run(config, cpu_tuning.usable_cpu_cores())
+    split = cpu_tuning.with_cpu_devices(config, devices, os.environ)
+    if split is not config and config.run.progress:
+        print(f"jaxddppo: run.cpu_devices={devices}, one CPU device per core, "
+              f"{config.env.num_envs // devices} envs each (run.cpu_devices=1 keeps one device)", flush=True)
+    return split
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
 
@@ -99,7 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = load_resume_config(args.resume, args.overrides)
         else:
             config = load_config(args.config, args.overrides)
-        return run(config, resume=args.resume is not None, stop_after_updates=args.stop_after_updates)
+        return run(with_cpu_device_per_core(config), resume=args.resume is not None,
+                   stop_after_updates=args.stop_after_updates)
 
     return command_exit_code(train)
 

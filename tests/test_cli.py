@@ -1,7 +1,7 @@
 """The command line, run as a user runs it: `python -m jaxddppo.train --config FILE [key=value ...]`.
 
 Every case runs on the CPU backend with exactly one device, in its own working
-directory. Bad input must fail fast (before anything compiles) with one line on
+directory, but the one where the command splits the CPU by default. Bad input must fail fast (before anything compiles) with one line on
 stderr and exit code 2: the cases run one after another in one fresh interpreter,
 through `jaxddppo.train.main` (what `python -m jaxddppo.train` calls), and one of
 them also as its own process. The two real training runs are started in the
@@ -416,3 +416,39 @@ def test_external_device_count_is_honoured_and_used_by_default(tmp_path):
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert (summary["num_devices"], summary["num_shards"]) == (2, 2)
     assert load_config(str(tmp_path / "two" / "config.yaml")).train.num_shards == 2
+
+
+# The CPU split's run: 32 CartPoles, 16 per device on two cores.
+SPLIT_YAML = MAIN_YAML.replace("num_envs: 4", "num_envs: 32").replace("total_env_steps: 2048", "total_env_steps: 1024")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to pin the run to")
+def test_the_command_takes_one_cpu_device_per_core(tmp_path):
+    """With nothing deciding the device count, `python -m jaxddppo.train` on two cores splits
+    the CPU into two devices for 32 environments, says so, records the devices and the two
+    shards in config.yaml, and learns bit for bit what its two shards learn on one device
+    through the Python API."""
+    from jaxddppo.train import run
+
+    (tmp_path / "run.yaml").write_text(SPLIT_YAML)
+    two_cores = sorted(os.sched_getaffinity(0))[:2]
+    env = {key: value for key, value in subprocess_env(1).items() if key != "XLA_FLAGS"}
+    command = [sys.executable, "-c", f"import os, runpy; os.sched_setaffinity(0, {two_cores}); "
+               "runpy.run_module('jaxddppo.train', run_name='__main__', alter_sys=True)",
+               "--config", "run.yaml", "run.dir=split"]
+    completed = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert completed.returncode == 0, completed.stderr
+    assert "run.cpu_devices=2, one CPU device per core, 16 envs each" in completed.stdout
+    summary = json.loads((tmp_path / "split" / "summary.json").read_text())
+    assert (summary["num_devices"], summary["num_shards"]) == (2, 2)
+    saved = load_config(str(tmp_path / "split" / "config.yaml"))
+    assert (saved.run.cpu_devices, saved.train.num_shards) == (2, 2)
+
+    import jax
+
+    one_device = dataclasses.replace(saved, run=dataclasses.replace(saved.run, dir=str(tmp_path / "one"),
+                                                                    cpu_devices=0, progress=False))
+    alone = run(one_device, devices=jax.devices()[:1])
+    assert alone.summary["num_devices"] == 1
+    assert alone.summary["params_digest"] == summary["params_digest"]

@@ -1,7 +1,8 @@
 """jaxddppo.cpu_tuning: run.cpu_tuning resolves auto by platform; its shuffle is a uniformly
 random permutation, drawn as the stable sorts it describes; its compiler options reach every
 program and start training from the same state; its Dense product has Dense's forward pass and
-the gradients of a float64 NumPy reference."""
+the gradients of a float64 NumPy reference; the train command splits the CPU into one device per
+core only as far as the run's sizes allow."""
 
 import collections
 import itertools
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 from conftest import host_leaves
 
-from jaxddppo.cpu_tuning import compiler_options, dense_dot_general, is_on, resolve, sort_permutations
+from jaxddppo import cpu_tuning
+from jaxddppo.config_files import from_dict, with_overrides
+from jaxddppo.cpu_tuning import (compiler_options, cpu_devices_for_run, dense_dot_general, is_on, resolve,
+                                 sort_permutations, with_cpu_devices)
 from jaxddppo.minibatches import Minibatching, minibatch_indices, sequence_indices
 
 
@@ -215,3 +219,47 @@ def test_the_switchs_dense_gradient_changes_gradients_only_in_the_last_bits():
     assert barriers == [0, 3 * 2]  # one per Dense layer: two hidden per torso, a value and a policy head
     for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# 256 CartPoles x 16 steps, 4 minibatches: 128 environments per device on 2.
+SPLIT_BASE = {"env": {"id": "CartPole-v1", "num_envs": 256}, "ppo": {"num_steps": 16, "num_minibatches": 4},
+              "train": {"total_env_steps": 8192}}
+
+
+@pytest.mark.parametrize("overrides, cores, expected", [
+    ({}, 2, 2),
+    ({}, 1, 1),
+    ({"env.num_envs": 32}, 2, 2),  # 16 environments per device, the fewest a split takes
+    ({"env.num_envs": 24}, 2, 1),
+    ({"env.num_envs": 4}, 8, 1),
+    ({"env.num_envs": 48}, 4, 3),  # 12 each on 4 devices, 16 on 3
+    ({"env.num_envs": 40}, 2, 2),
+    ({"env.num_envs": 40}, 4, 2),  # 10 each on 4 devices, and 3 do not divide 40
+    ({"train.num_shards": 1}, 2, 1),  # the devices divide the shards the config sets
+    ({"train.num_shards": 4}, 8, 4),
+    ({"train.num_shards": 6, "env.num_envs": 96}, 4, 3),
+    ({"train.num_shards": 8}, 2, 2),
+    ({"ppo.num_steps": 1, "ppo.num_minibatches": 256}, 2, 1),  # 128 samples a shard: not 256 minibatches
+])
+def test_the_train_command_splits_the_cpu_as_far_as_the_sizes_allow(overrides, cores, expected):
+    config = with_overrides(from_dict(SPLIT_BASE), overrides)
+    assert cpu_devices_for_run(config, cores) == expected
+
+
+def test_a_split_into_one_device_leaves_the_config_alone(monkeypatch):
+    monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
+    config = from_dict(SPLIT_BASE)
+    assert with_cpu_devices(config, 1, {}) is config
+    assert with_cpu_devices(config, 2, {}).run.cpu_devices == 2
+
+
+@pytest.mark.parametrize("environ, expected", [({}, 1), ({"JAX_PLATFORMS": "cpu"}, 2), ({"JAX_PLATFORMS": "cuda"}, 1)])
+def test_the_cpu_is_left_alone_where_jax_would_start_on_an_accelerator(monkeypatch, environ, expected):
+    monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
+    monkeypatch.setattr(cpu_tuning, "accelerator_plugin_installed", lambda: True)
+    config = from_dict(SPLIT_BASE)
+    assert with_cpu_devices(config, 2, environ).run.cpu_devices == (0 if expected == 1 else 2)
+
+
+def test_no_accelerator_plugin_is_installed_for_the_cpu_tests():
+    assert not cpu_tuning.accelerator_plugin_installed()

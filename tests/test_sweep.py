@@ -328,7 +328,7 @@ def test_cpu_devices_per_core_divide_the_members(members, cores, expected):
 def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatch, overrides, environ, expected):
     monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
     config = with_overrides(from_dict(SMALL), overrides)
-    chosen = cpu_tuning.with_cpu_device_per_core(config, 32, 2, environ)
+    chosen = cpu_tuning.with_cpu_devices(config, 2, environ)
     assert chosen.run.cpu_devices == expected
     assert (chosen is config) == (expected == config.run.cpu_devices)
 
@@ -336,13 +336,13 @@ def test_sweep_command_splits_the_cpu_only_where_nothing_else_decides(monkeypatc
 def test_sweep_command_leaves_a_started_backend_alone():
     config = from_dict(SMALL)
     jax.devices()  # this process's backend has started
-    assert cpu_tuning.with_cpu_device_per_core(config, 32, 2, {}) is config
+    assert cpu_tuning.with_cpu_devices(config, 2, {}) is config
 
 
 def test_sweep_command_keeps_one_device_with_the_cpu_switch_off(monkeypatch):
     monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
     config = with_overrides(from_dict(SMALL), {"run.cpu_tuning": "off"})
-    assert cpu_tuning.with_cpu_device_per_core(config, 32, 2, {}) is config
+    assert cpu_tuning.with_cpu_devices(config, 2, {}) is config
 
 
 @pytest.mark.oldest
