@@ -27,7 +27,7 @@ from jaxddppo.config import ConfigError
 from jaxddppo.config_files import load_config, load_resume_config
 from jaxddppo.envs.resets import take_pending
 from jaxddppo.evaluate import evaluate, statistics
-from jaxddppo.experiment import Experiment, all_finite, build, update_count
+from jaxddppo.experiment import Experiment, all_finite, build, compile_programs, update_count
 from jaxddppo.loop import chunk_plan
 from jaxddppo.normalization import normalize
 from jaxddppo.outputs import truncate_metrics
@@ -476,6 +476,17 @@ def test_a_finished_run_compiles_its_final_evaluation_with_its_training_programs
     experiment = build(small_config(one_go.run_dir), jax.devices()[:4])
     compiled_at_the_end = experiment.final_evaluations(one_go.state)[0]
     assert np.mean(np.asarray(compiled_at_the_end.returns, np.float64)) == one_go.summary["eval_return_mean"]
+
+
+def test_the_final_evaluation_is_placed_on_the_callers_default_device(tmp_path):
+    """The programs are lowered in threads of their own, each under the calling thread's
+    `jax.default_device`, which places the final evaluation (a program of one device)."""
+    experiment = build(small_config(tmp_path / "run"), jax.devices()[:1])
+    with jax.default_device(jax.devices()[1]):
+        programs = compile_programs(experiment, final_evaluation=True)
+    shardings = jax.tree.leaves(programs.final_evaluate.input_shardings)
+    assert shardings and all(placed.device_set == {jax.devices()[1]} for placed in shardings)
+    assert all(placed.device_set == {jax.devices()[0]} for placed in jax.tree.leaves(programs.learn.input_shardings))
 
 
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
