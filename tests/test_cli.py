@@ -1,12 +1,12 @@
 """The command line, run as a user runs it: `python -m jaxddppo.train --config FILE [key=value ...]`.
 
-Every case runs on the CPU backend with exactly one device, in its own working
-directory, but the one where the command splits the CPU by default. Bad input must fail fast (before anything compiles) with one line on
-stderr and exit code 2: the cases run one after another in one fresh interpreter,
-through `jaxddppo.train.main` (what `python -m jaxddppo.train` calls), and one of
-them also as its own process. The two real training runs are started in the
-background when the module's first test starts, so they compile while the quick
-failure cases run.
+Every case runs on the CPU backend in its own working directory, with exactly one
+device but where the command splits the CPU by default. Bad input must fail fast
+(before anything compiles) with one line on stderr and exit code 2: the cases run
+one after another in one fresh interpreter, through `jaxddppo.train.main` (what
+`python -m jaxddppo.train` calls), and one of them also as its own process. The two
+real training runs are started in the background when the module's first test
+starts, so they compile while the quick failure cases run.
 """
 
 from __future__ import annotations
