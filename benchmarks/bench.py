@@ -317,8 +317,11 @@ class Finished:
 
 
 def run_process(command: Sequence[str], env: Mapping[str, str], cwd: Path, timeout: float) -> Finished:
-    """Run `command` in `cwd`, its output in cwd/output.txt, killed after `timeout` seconds. The
-    peak memory is the one the OS reports as the process is reaped (Linux reports KiB)."""
+    """Run `command` in `cwd`, its output in cwd/output.txt, killed after `timeout` seconds, with
+    JAX's compilation cache off (each trial compiles everything: jaxddppo's commands would
+    otherwise load what an earlier trial compiled). The peak memory is the one the OS reports
+    as the process is reaped (Linux reports KiB)."""
+    env = {**env, "JAX_ENABLE_COMPILATION_CACHE": "false"}
     with open(cwd / "output.txt", "w") as output:
         process = subprocess.Popen(command, env=env, cwd=cwd, stdout=output, stderr=subprocess.STDOUT)
     expired = threading.Event()

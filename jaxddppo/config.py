@@ -172,7 +172,7 @@ class PBTConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Output directory, progress and the CPU backend's devices and threads."""
+    """Output directory, progress, the compilation cache and the CPU backend's devices and threads."""
 
     dir: Optional[str] = _opt(None, "output directory (default: runs/<env>-<timestamp>)")
     progress: bool = _opt(True, "show progress (a bar on a terminal, else one line at most every 2 s)")
@@ -188,6 +188,13 @@ class RunConfig:
         "jaxddppo.train takes one device per core, as many as train.num_shards (if set) and the sizes allow with "
         "at least 16 environments each, and python -m jaxddppo.sweep as many as divide the member count "
         "(docs/sweeps.md); either records its choice in config.yaml. The CPU backend only"
+    )
+    compilation_cache: str = _opt(
+        "auto", "where python -m jaxddppo.train and .sweep keep the programs they compile, for later runs of the "
+        "same programs to load instead of compiling (JAX's persistent compilation cache; .evaluate takes auto): "
+        "auto, JAX's own setting if made (JAX_COMPILATION_CACHE_DIR, JAX_ENABLE_COMPILATION_CACHE=false), else "
+        "$XDG_CACHE_HOME (~/.cache)/jaxddppo/compiled/MACHINE; off; or a directory. Results are the same with or "
+        "without. The Python API leaves JAX's setting alone"
     )
     cpu_tuning: str = _opt(
         "auto", "the CPU switch (jaxddppo.cpu_tuning): on, minibatch orders drawn by sorts of integers, Dense kernel "
@@ -259,7 +266,7 @@ def section_names() -> list[str]:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "run.compilation_cache", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 
@@ -313,6 +320,8 @@ def validate(config: Config) -> None:
     ]
     for key, value, meaning in non_negative:
         _check(value >= 0, key, value, f"must be >= 0{meaning}")
+    _check(config.run.compilation_cache.strip() != "", "run.compilation_cache", config.run.compilation_cache,
+           "must be auto, off or a directory")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
     _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
     for key in ("gamma", "gae_lambda"):

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxddppo.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.cli import OneLineParser
+from jaxddppo.compile_cache import use_compilation_cache
 from jaxddppo.config import ConfigError
 from jaxddppo.config_files import load_resume_config
 from jaxddppo.eval_episodes import EvalResult, evaluate_policy_program
@@ -97,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    use_compilation_cache("auto")
     stats = statistics(evaluate(policy, args.episodes, args.seed))
     episodes = policy.config.eval.num_episodes if args.episodes is None else args.episodes
     if args.json:

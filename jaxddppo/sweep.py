@@ -27,6 +27,7 @@ import numpy as np
 from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser
+from jaxddppo.compile_cache import use_compilation_cache
 from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError
 from jaxddppo.config_files import as_config, load_config, load_resume_config
 from jaxddppo.config_reference import help_text
@@ -355,8 +356,10 @@ def start(args: argparse.Namespace) -> SweepResult:
     if args.resume is not None:
         if grid:
             raise ConfigError(f"{', '.join(grid)} cannot be swept on --resume: the sweep keeps its own grid")
+        use_compilation_cache(load_resume_config(args.resume, plain).run.compilation_cache)
         return resume_sweep(args.resume, plain, stop_after_updates=args.stop_after_updates)
     config = load_config(args.config, plain)
+    use_compilation_cache(config.run.compilation_cache)
     if args.member_devices is None:
         num_members = len(expand_members(config, grid, args.seeds))
         devices = cpu_tuning.cpu_devices_per_core(num_members, cpu_tuning.usable_cpu_cores())

@@ -15,6 +15,7 @@ import jax
 
 from jaxddppo import cpu_tuning, distributed
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo.compile_cache import use_compilation_cache
 from jaxddppo.cli import OneLineParser
 from jaxddppo.config import RESUMABLE_KEYS, Config
 from jaxddppo.config_files import as_config, load_config, load_resume_config
@@ -111,6 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             config = load_resume_config(args.resume, args.overrides)
         else:
             config = load_config(args.config, args.overrides)
+        use_compilation_cache(config.run.compilation_cache)
         return run(with_cpu_device_per_core(config), resume=args.resume is not None,
                    stop_after_updates=args.stop_after_updates)
 

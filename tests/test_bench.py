@@ -157,6 +157,12 @@ def test_trial_environment_sets_threads_devices_and_the_checkout():
     assert "PJRT_NPROC" not in peer and peer["PYTHONPATH"] == "/elsewhere"
 
 
+def test_a_trial_process_compiles_without_the_compilation_cache(tmp_path):
+    finished = bench.run_process([sys.executable, "-c", "import jax; print(jax.config.jax_enable_compilation_cache)"],
+                                 {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "true"}, tmp_path, 120)
+    assert finished.exit_code == 0 and (tmp_path / "output.txt").read_text().split()[-1] == "False"
+
+
 def test_a_checkout_runs_its_command_line_on_a_config_it_accepts(tmp_path):
     sources = bench.Sources({"jaxddppo": REPO_ROOT}, Path("/clone"))
     sweep = bench.trial_command(bench.Trial("jaxddppo", "small", devices=2, seeds=32), bench.CONFIGS["small"],
