@@ -326,10 +326,11 @@ class Programs:
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
     """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
     the periodic evaluation and the final one, lowered from the initialisation's output
-    shapes alone (nothing runs before every program is compiled). Each program compiles as
-    soon as it is lowered, the longest first: XLA compiles without holding Python's GIL, so
-    the next lowering runs beside it, under the caller's `jax.default_device` (a context of
-    the calling thread, which places the final evaluation). With `run.cpu_tuning` on,
+    shapes alone (nothing runs before every program is compiled). The calling thread lowers
+    them one after another, the longest first, under its `jax.default_device` (which places
+    the final evaluation), and each compiles in a thread of its own as soon as it is lowered:
+    XLA compiles without holding Python's GIL, so the next lowering runs beside it (lowerings
+    in threads of their own would take turns at the GIL, slower). With `run.cpu_tuning` on,
     `cpu_tuning.compiler_options` apply, except to the final evaluation, compiled as
     `jaxddppo.evaluate` compiles it."""
     inputs = experiment.shard_inputs()
@@ -351,14 +352,8 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
     lowerings["checksum"] = (lambda: sharding.checksum_program(experiment.mesh).lower(state), tuned())
     lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
-    default_device = jax.config.jax_default_device
-
-    def compile_lowering(lower: Callable[[], jax.stages.Lowered], options: dict) -> jax.stages.Compiled:
-        with jax.default_device(default_device):
-            return lower().compile(options)
-
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
-        futures = {name: pool.submit(compile_lowering, lower, options) for name, (lower, options) in lowerings.items()}
+        futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in lowerings.items()}
         compiled = {name: future.result() for name, future in futures.items()}
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
                     checksum=compiled["checksum"], final_evaluate=compiled.get("final_evaluate"))
