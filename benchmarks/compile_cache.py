@@ -72,7 +72,8 @@ def summarise(measurements: dict[str, list[dict[str, dict[str, float]]]]) -> lis
         for run in RUNS:
             for measure in ("compile_seconds", "wall_seconds"):
                 row[f"{run}_{measure}"] = statistics.median(one[run][measure] for one in rounds)
-        row["warm_over_off_compile"] = [one["warm"]["compile_seconds"] / one["off"]["compile_seconds"] for one in rounds]
+        row["warm_over_off_compile"] = [one["warm"]["compile_seconds"] / one["off"]["compile_seconds"]
+                                        for one in rounds]
         table.append(row)
     return table
 
@@ -94,7 +95,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(prog="python benchmarks/compile_cache.py",
                            description="Compile seconds of the train command without, into and from its "
                            "compilation cache.")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the cases (default 2)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take (default 900)")
     parser.add_argument("--out", type=Path, help="write the JSON here")
@@ -122,7 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = summarise(measurements)
     print(format_table(table))
     if args.out is not None:
-        report = {"command": " ".join(["python benchmarks/compile_cache.py", *(sys.argv[1:] if argv is None else argv)]),
+        arguments = sys.argv[1:] if argv is None else argv
+        report = {"command": " ".join(["python benchmarks/compile_cache.py", *arguments]),
                   "machine": machine_description(cpu_description(read_cpuinfo())),
                   "versions": versions_of(("jax", "jaxlib", "mujoco-mjx", "playground")),
                   "revision": revision(REPO_ROOT),

@@ -1,11 +1,12 @@
 """The commands' compilation cache (`run.compilation_cache`): JAX's persistent cache of
 compiled programs, on by default for `python -m jaxddppo.train`, `.sweep` and `.evaluate`.
 
-A run writes the programs it compiles (in 0.1 s or more) to the cache; a later run of the same programs loads them instead of compiling them: the same
-config again, another seed (keys are inputs, not constants), a resume, an evaluation. JAX keys
-each program by its text, the compiler options and flags, and the jax, XLA and device
-versions, so a loaded program computes what compiling it would have, bit for bit. Tracing
-is not cached: a run still traces its programs before it looks them up.
+A run writes the programs it compiles (in 0.1 s or more) to the cache; a later run of the
+same programs loads them instead of compiling them: the same config again, another seed
+(keys are inputs, not constants), a resume, an evaluation. JAX keys each program by its
+text, the compiler options and flags, and the jax, XLA and device versions, so a loaded
+program computes what compiling it would have, bit for bit. Tracing is not cached: a run
+still traces its programs before it looks them up.
 
 The Python API leaves JAX's own setting alone (`jax.config.update("jax_compilation_cache_dir",
 ...)` turns it on in a notebook).
@@ -97,7 +98,8 @@ def use_compilation_cache(setting: str, environ: Mapping[str, str] = os.environ)
         directory = Path(setting).expanduser()
         problem = writable_directory(directory)
         if problem is not None:
-            raise ConfigError(f"run.compilation_cache={setting!r} is invalid: the directory cannot be written ({problem})")
+            raise ConfigError(f"run.compilation_cache={setting!r} is invalid: the directory cannot be written "
+                              f"({problem})")
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_enable_compilation_cache", True)  # a directory named wins over JAX's variable
     # Where JAX's own variables leave them unset: a size limit, and a lower threshold than JAX's

@@ -320,8 +320,8 @@ def validate(config: Config) -> None:
     ]
     for key, value, meaning in non_negative:
         _check(value >= 0, key, value, f"must be >= 0{meaning}")
-    _check(config.run.compilation_cache.strip() != "", "run.compilation_cache", config.run.compilation_cache,
-           "must be auto, off or a directory")
+    _check(config.run.compilation_cache.strip() not in ("", "on"), "run.compilation_cache",
+           config.run.compilation_cache, "must be auto, off or a directory")
     _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
     _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
     for key in ("gamma", "gae_lambda"):

@@ -122,15 +122,18 @@ def _load(layer: Any, source: Optional[str], overrides: Iterable[str]) -> Config
     return _validated(merged)
 
 
-# YAML 1.1 reads an unquoted on / off as a boolean, which the string option receives as True / False.
+# YAML 1.1 reads an unquoted on / off as a boolean, which a string option receives as True / False.
 _SWITCH_FROM_YAML_BOOLEAN = {"True": "on", "False": "off"}
 
 
 def _validated(merged: Any) -> Config:
-    """The Config of merged layers, with `run.cpu_tuning: on` read as written, validated."""
+    """The Config of merged layers, with `run.cpu_tuning: on` and `run.compilation_cache: off`
+    read as written, validated."""
     config = OmegaConf.to_object(merged)
-    switch = _SWITCH_FROM_YAML_BOOLEAN.get(config.run.cpu_tuning, config.run.cpu_tuning)
-    config = dataclasses.replace(config, run=dataclasses.replace(config.run, cpu_tuning=switch))
+    run = config.run
+    config = dataclasses.replace(config, run=dataclasses.replace(
+        run, cpu_tuning=_SWITCH_FROM_YAML_BOOLEAN.get(run.cpu_tuning, run.cpu_tuning),
+        compilation_cache=_SWITCH_FROM_YAML_BOOLEAN.get(run.compilation_cache, run.compilation_cache)))
     validate(config)
     return config
 

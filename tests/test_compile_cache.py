@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO_ROOT, subprocess_env
 from jaxddppo.compile_cache import MAX_CACHE_BYTES, MIN_COMPILE_SECONDS, machine_tag, use_compilation_cache
 from jaxddppo.config import ConfigError
+from jaxddppo.config_files import from_dict, load_config, to_yaml
 from jaxddppo.train import main
 
 SETTINGS = ("jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_compilation_cache_max_size",
@@ -88,6 +89,24 @@ def test_auto_goes_without_a_cache_it_cannot_write(no_jax_cache, tmp_path, capsy
                                        "run.compilation_cache=DIR names another\n")
 
 
+def test_off_is_read_as_written_in_yaml_and_on_the_command_line(tmp_path):
+    """YAML 1.1 reads an unquoted off as a boolean: the option still gets "off" (not a
+    directory named False), and keeps it through config.yaml."""
+    (tmp_path / "config.yaml").write_text("run:\n  compilation_cache: off\n")
+    from_file = load_config(str(tmp_path / "config.yaml"))
+    assert from_file.run.compilation_cache == "off"
+    assert load_config(None, ["run.compilation_cache=off"]).run.compilation_cache == "off"
+    (tmp_path / "written.yaml").write_text(to_yaml(from_file))
+    assert load_config(str(tmp_path / "written.yaml")).run.compilation_cache == "off"
+    assert from_dict({"run": {"compilation_cache": "~/cache"}}).run.compilation_cache == "~/cache"
+
+
+@pytest.mark.parametrize("value", ["on", "''"])
+def test_a_value_that_names_no_cache_is_refused(value):
+    with pytest.raises(ConfigError, match="^run.compilation_cache='(on)?' is invalid: must be auto, off or a directory$"):
+        load_config(None, [f"run.compilation_cache={value}"])
+
+
 def test_the_command_refuses_a_cache_it_cannot_write_in_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), f"run.dir={tmp_path / 'run'}",
@@ -98,28 +117,36 @@ def test_the_command_refuses_a_cache_it_cannot_write_in_one_line(tmp_path, capsy
 
 
 def test_a_second_run_loads_the_programs_the_first_compiled(tmp_path):
-    """The train command by default, without JAX's variable: the first run writes its programs
-    under XDG_CACHE_HOME, the second reads every one of them (JAX stamps an entry's access
-    time as it reads it) and trains to the same parameters."""
+    """The train command by default, without JAX's variable: the first run writes its training
+    and evaluation programs under XDG_CACHE_HOME, the second reads them (JAX stamps an entry's
+    access time as it reads it) and trains to the same parameters, and a run of another seed
+    uses the same programs. (Whether the eager operations' small programs are written depends
+    on how fast they compile, so they are left out.)"""
     env = subprocess_env(1)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    cache = tmp_path / "xdg" / "jaxddppo" / "compiled" / machine_tag()
 
-    def train(name: str) -> dict:
-        subprocess.run([sys.executable, "-m", "jaxddppo.train", "--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"),
-                        "train.total_env_steps=4096", "eval.num_episodes=2", "run.progress=false",
-                        f"run.dir={tmp_path / name}"], env=env, check=True, capture_output=True, timeout=300)
+    def train(name: str, seed: int = 0) -> dict:
+        subprocess.run([sys.executable, "-m", "jaxddppo.train", "--config",
+                        str(REPO_ROOT / "experiments" / "cartpole.yaml"), "train.total_env_steps=4096",
+                        "eval.num_episodes=2", "run.progress=false", f"train.seed={seed}",
+                        f"run.dir={tmp_path / name}"],
+                       env=env, check=True, capture_output=True, timeout=300)
         return json.loads((tmp_path / name / "summary.json").read_text())
 
-    first = train("first")
-    cache = tmp_path / "xdg" / "jaxddppo" / "compiled" / machine_tag()
-    programs = {path.name[:-len("-cache")] for path in cache.glob("*-cache")}
-    assert {"jit_learn", "jit_init_shard", "jit_evaluate_policy"} <= {name.rsplit("-", 1)[0] for name in programs}
-    def stamps() -> dict:
-        return {name: int.from_bytes((cache / f"{name}-atime").read_bytes(), "little") for name in programs}
+    def programs() -> dict[str, int]:
+        """Each training or evaluation program's entry and the access time stamped in it."""
+        return {path.name[:-len("-cache")]: int.from_bytes(path.with_name(path.name[:-len("cache")] + "atime")
+                                                           .read_bytes(), "little")
+                for pattern in ("jit_learn-*-cache", "jit_evaluate_policy-*-cache") for path in cache.glob(pattern)}
 
-    stamped = stamps()
+    first = train("first")
+    written = programs()
+    assert len(written) == 2
     second = train("second")
-    assert {path.name[:-len("-cache")] for path in cache.glob("*-cache")} == programs
-    assert all(stamp > stamped[name] for name, stamp in stamps().items())
+    assert programs().keys() == written.keys()
+    assert all(stamp > written[name] for name, stamp in programs().items())
     assert second["params_digest"] == first["params_digest"]
+    assert train("another seed", seed=1)["params_digest"] != first["params_digest"]
+    assert programs().keys() == written.keys()
