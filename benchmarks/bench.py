@@ -292,6 +292,11 @@ def trial_command(trial: Trial, spec: Mapping[str, Any], sources: Sources, scrat
     return command
 
 
+def importing(checkout: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` with `checkout` first on PYTHONPATH: a process that imports jaxddppo from it."""
+    return {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), environ.get("PYTHONPATH")]))}
+
+
 def trial_environment(trial: Trial, environ: Mapping[str, str], checkout: Optional[Path]) -> dict[str, str]:
     """`environ` for a trial's process: its CPU thread pool size (PJRT_NPROC; none inherited, nor
     NPROC, which XLA's default pool is sized from), its device count (XLA_FLAGS) and, for a
@@ -301,9 +306,7 @@ def trial_environment(trial: Trial, environ: Mapping[str, str], checkout: Option
         env["PJRT_NPROC"] = str(trial.cpu_threads)
     flags = [flag for flag in env.get("XLA_FLAGS", "").split() if not flag.startswith(CPU_DEVICE_COUNT_FLAG)]
     env["XLA_FLAGS"] = " ".join(flags + [f"{CPU_DEVICE_COUNT_FLAG}={trial.devices}"])
-    if checkout is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(checkout), environ.get("PYTHONPATH")]))
-    return env
+    return importing(checkout, env) if checkout is not None else env
 
 
 @dataclass(frozen=True)

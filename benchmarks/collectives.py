@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import CPU_DEVICE_COUNT_FLAG, EXIT_TRIAL_FAILED, REPO_ROOT, OneLineParser
+from bench import CPU_DEVICE_COUNT_FLAG, EXIT_TRIAL_FAILED, REPO_ROOT, OneLineParser, importing
 
 LARGE_OVERRIDES = {"env.num_envs": 2048, "ppo.num_steps": 128, "train.total_env_steps": 2048 * 128 * 4,
                    "train.updates_per_chunk": 4}
@@ -121,8 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     rows = []
     for count in args.devices:
-        env = {**os.environ, "XLA_FLAGS": f"{CPU_DEVICE_COUNT_FLAG}={count}",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+        env = importing(REPO_ROOT, {**os.environ, "XLA_FLAGS": f"{CPU_DEVICE_COUNT_FLAG}={count}"})
         child = subprocess.run([sys.executable, __file__, "--one", "--config", args.config, "--devices", str(count)],
                                env=env, capture_output=True, text=True)
         if child.returncode != 0:

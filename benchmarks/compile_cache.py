@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (REPO_ROOT, OneLineParser, cpu_description, machine_description, read_cpuinfo,  # noqa: E402
-                   revision, run_process, versions_of)
+from bench import (REPO_ROOT, OneLineParser, cpu_description, importing, machine_description,  # noqa: E402
+                   read_cpuinfo, revision, run_process, versions_of)
 
 EXPERIMENTS = REPO_ROOT / "experiments"
 # name: (config, overrides): the README's first command, and two Playground tasks a few updates long.
@@ -46,9 +46,8 @@ def command(case: str, cache: Optional[Path], run_dir: Path) -> list[str]:
 def train(case: str, cache: Optional[Path], scratch: Path, timeout: float) -> dict[str, float]:
     """One fresh training process: its compile seconds (summary.json) and wall seconds."""
     scratch.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
-    finished = run_process(command(case, cache, scratch / "run"), env, scratch, timeout)
+    finished = run_process(command(case, cache, scratch / "run"), importing(REPO_ROOT, os.environ), scratch, timeout)
     wall = time.perf_counter() - start
     if finished.exit_code != 0:
         raise RuntimeError(f"{case}: exit code {finished.exit_code}:\n{(scratch / 'output.txt').read_text()[-2000:]}")

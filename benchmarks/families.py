@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from bench import (EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT, cpu_description,
-                   env_rates_command, machine_description, output_tail, read_cpuinfo, run_process, steady_state,
-                   versions_of)
+                   env_rates_command, importing, machine_description, output_tail, read_cpuinfo, run_process,
+                   steady_state, versions_of)
 
 from jaxddppo.config_files import load_config
 
@@ -68,8 +68,7 @@ def run_training(config_path: str, devices: int, env_steps: Optional[int], scrat
                "eval.num_episodes=2"]
     if env_steps:
         command.append(f"train.total_env_steps={env_steps}")
-    environ = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    environ = importing(REPO_ROOT, {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"})
     finished = run_process(command, environ, scratch, timeout)
     if finished.exit_code != 0:
         raise RuntimeError(f"training {config_path} on {devices} device(s) failed:\n"

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import OneLineParser, REPO_ROOT, env_rates_command, output_tail, run_process, steady_state, versions_of
+from bench import (OneLineParser, REPO_ROOT, env_rates_command, importing, output_tail, run_process, steady_state,
+                   versions_of)
 
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "mujoco", "mujoco-mjx",
             "playground", "warp-lang", "gymnax")
@@ -80,8 +81,7 @@ def step_plan(quick: bool) -> list[dict[str, Any]]:
 
 
 def python_environment() -> dict[str, str]:
-    environ = dict(os.environ)
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    environ = importing(REPO_ROOT, os.environ)
     environ.setdefault("PYTHONUNBUFFERED", "1")
     return environ
 

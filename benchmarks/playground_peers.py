@@ -42,8 +42,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import yaml
 
 from bench import (CPU_DEVICE_COUNT_FLAG, EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, BenchError, OneLineParser,
-                   REPO_ROOT, cpu_description, machine_description, names, output_tail, read_cpuinfo, revision,
-                   run_process, steady_state, versions_of)
+                   REPO_ROOT, cpu_description, importing, machine_description, names, output_tail, read_cpuinfo,
+                   revision, run_process, steady_state, versions_of)
 from jaxddppo.config import START_STATES
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
@@ -167,8 +167,7 @@ def trial_environment(contender: str, environ: Mapping[str, str]) -> dict[str, s
     if contender == "brax":
         flags.append(f"{CPU_DEVICE_COUNT_FLAG}=1")
     env["XLA_FLAGS"] = " ".join(flags)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), environ.get("PYTHONPATH")]))
-    return env
+    return importing(REPO_ROOT, env)
 
 
 def jaxddppo_result(run_dir: Path) -> dict[str, Any]:
