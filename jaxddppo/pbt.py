@@ -4,9 +4,10 @@ perturb or resample the hyperparameters they take with it (`decide`).
 
 Every device computes the same decisions: from every member's fitness and hyperparameters,
 gathered over the mesh in member order, and from a key folded from the population's PBT
-key with the update index. The state moves by an all-gather over the member axis and an
-index, which copies bits; a member keeps its own environments and random streams. Static
-choices are `PBTSettings`; the traced state every shard carries is `PBTState`.
+key with the update index. A loser's state moves to it from its winner's device one
+member at a time (`shards.copy_members`), bit for bit; a member keeps its own environments
+and random streams. Static choices are `PBTSettings`; the traced state every shard carries
+is `PBTState`.
 """
 
 from __future__ import annotations
@@ -135,10 +136,12 @@ def interval_fitness(state: PBTState) -> jax.Array:
 @struct.dataclass
 class Decision:
     """Per member [num_members]: the member whose state it takes (itself if it keeps its
-    own) and the hyperparameters it trains with next."""
+    own) and the hyperparameters it trains with next; and the members that take another's
+    state [num_losers]."""
 
     source: jax.Array
     hyperparams: PPOHyperparams
+    losers: jax.Array
 
 
 def ranking(fitness: jax.Array) -> jax.Array:
@@ -166,7 +169,7 @@ def decide(settings: PBTSettings, fitness: jax.Array, hyperparams: PPOHyperparam
             jnp.arange(num_members))
         changes[name] = jnp.where(is_loser, jax.vmap(lambda member_key, value: explore(
             settings, index, member_key, value))(member_keys, getattr(copied, name)), getattr(copied, name))
-    return Decision(source=source, hyperparams=copied.replace(**changes))
+    return Decision(source=source, hyperparams=copied.replace(**changes), losers=losers.astype(jnp.int32))
 
 
 def explore(settings: PBTSettings, index: int, key: jax.Array, value: jax.Array) -> jax.Array:
@@ -194,10 +197,9 @@ def exploit(settings: PBTSettings, carried: Any, state: PBTState, fitness: jax.A
     all_fitness = shards.all_members(fitness)
     key = jax.random.fold_in(state.key[0, 0], update_index)
     decision = decide(settings, all_fitness, hyperparams, key)
-    take = lambda tree: shards.local_members(jax.tree.map(lambda leaf: leaf[decision.source], tree), num_local)
     spread = lambda tree: jax.tree.map(
         lambda leaf: jnp.broadcast_to(leaf[:, None], (num_local, num_shards, *leaf.shape[1:])), tree)
-    carried = spread(take(shards.all_members(one_per_member(carried))))
+    carried = spread(shards.copy_members(one_per_member(carried), decision.source[decision.losers], decision.losers))
     members = shards.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), num_local)
     source = shards.local_members(decision.source, num_local)
     zero = jnp.zeros((num_local, num_shards), jnp.float32)

@@ -9,7 +9,7 @@ default the shards run one after another and sums add the shards in order of glo
 index, so the results do not depend on how shards map to devices, bit for bit.
 
 A sweep's population adds a leading member axis, `MEMBER_AXIS`; members communicate only
-for population-based training (`all_members`, `local_members`).
+for population-based training (`all_members`, `local_members`, `copy_members`).
 Other modules never name an axis: they call `DeviceShards`' methods. The update
 (`ppo.py`), the normalisers and the evaluation need this module alone; the mesh and the
 compile wrapper are `sharding.py`'s.
@@ -97,6 +97,55 @@ def local_members(tree: Any, members_per_device: int) -> Any:
     """This device's members' rows of `tree`, whose leaves lead with [num_members]."""
     start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
     return jax.tree.map(lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, members_per_device), tree)
+
+
+def copy_members(tree: Any, sources: jax.Array, destinations: jax.Array) -> Any:
+    """This device's members' rows of `tree` (leaves [members_per_device, ...]) with member
+    `destinations[k]`'s row replaced by member `sources[k]`'s, bit for bit, for each k
+    (`sources`, `destinations`: [K] member indices, the same on every device; no source is
+    a destination). One row crosses the member axis at a time, so a device holds its own
+    members and one more row, where an all-gather would hold every member's.
+
+    The row travels as a `psum` of its bits (unsigned integers, at least 32 wide), to which
+    every device but its holder adds zeros: integer sums are exact, where a float sum would
+    turn -0.0 into 0.0."""
+    members_per_device = _leading_length(tree)
+    start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
+
+    def local_index(member: jax.Array) -> tuple[jax.Array, jax.Array]:
+        here = (member >= start) & (member < start + members_per_device)
+        return here, jnp.clip(member - start, 0, members_per_device - 1)
+
+    def copy_one(k: int, tree: Any) -> Any:
+        held, source = local_index(sources[k])
+        here, destination = local_index(destinations[k])
+
+        def copy_leaf(leaf: jax.Array) -> jax.Array:
+            bits = _as_bits(leaf[source])
+            row = _from_bits(jax.lax.psum(jnp.where(held, bits, jnp.zeros_like(bits)), MEMBER_AXIS), leaf.dtype)
+            return jax.lax.dynamic_update_index_in_dim(leaf, jnp.where(here, row, leaf[destination]), destination, 0)
+
+        return jax.tree.map(copy_leaf, tree)
+
+    return jax.lax.fori_loop(0, sources.shape[0], copy_one, tree)
+
+
+def _as_bits(value: jax.Array) -> jax.Array:
+    """`value`'s bits as unsigned integers of its width, widened to at least 32 bits (NCCL,
+    for one, adds no 16-bit integers)."""
+    if value.dtype == jnp.bool_:
+        return value.astype(jnp.uint32)
+    width = max(value.dtype.itemsize * 8, 32)
+    bits = jax.lax.bitcast_convert_type(value, jnp.dtype(f"uint{value.dtype.itemsize * 8}"))
+    return bits.astype(jnp.dtype(f"uint{width}"))
+
+
+def _from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
+    """The inverse of `_as_bits` for a value of `dtype`."""
+    if dtype == jnp.bool_:
+        return bits != 0
+    narrow = bits.astype(jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}"))
+    return jax.lax.bitcast_convert_type(narrow, dtype)
 
 
 def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:

@@ -1,6 +1,7 @@
 """Population-based training (docs/sweeps.md#pbt).
 
-- The exploit copies exactly the winner's state into each loser, and nothing else moves.
+- The exploit copies exactly the winner's state into each loser, and nothing else moves; no
+  device gathers the population's states.
 - Ranking: NaN lowest, ties by member index; perturbed and resampled values stay in bounds.
 - A PBT sweep makes the same decisions and, with train.batch_members=false, the same bits on
   1, 2 and 4 devices, and stopped and resumed it ends as the sweep done in one go.
@@ -71,15 +72,24 @@ def test_losers_are_the_quantile_rounded_up_at_most_half():
     assert pbt.losers_of(5, 0.5) == 2
 
 
+def bits(leaf: np.ndarray) -> np.ndarray:
+    return leaf.view(np.uint8) if leaf.dtype != np.bool_ else leaf
+
+
 def test_exploit_copies_exactly_the_winners_state():
-    """Synthetic fitness on a 2 x 2 mesh, 4 members of 2 shards: member 1 (worst) copies
-    member 2 (best) bit for bit, parameters and the carried statistics alike; the others
-    keep their own; the record names who copied whom."""
+    """Synthetic fitness on a 2 x 2 mesh, 4 members of 2 shards: member 1 (worst, on the
+    first member device) copies member 2 (best, on the second) bit for bit, -0.0 and NaN
+    payloads, integers, booleans and 16-bit floats alike; the others keep their own; the
+    record names who copied whom. No member's state is gathered: the program's all-gathers
+    (fitness, hyperparameters) hold one value per member."""
     num_members, num_shards = 4, 2
     mesh = sharding.make_population_mesh(Placement(num_members, num_shards, 2, 2), jax.devices()[:4])
     rng = np.random.default_rng(0)
-    carried = {"params": rng.normal(size=(num_members, 3, 5)).astype(np.float32),
-               "count": np.arange(num_members, dtype=np.int32)}
+    params = rng.normal(size=(num_members, 3, 5)).astype(np.float32)
+    params[2, 0, :2] = [-0.0, np.uint32(0x7FC0_1234).view(np.float32)]
+    carried = {"params": params, "count": np.arange(num_members, dtype=np.int32),
+               "flag": np.array([False, False, True, False]),
+               "half": jnp.asarray(rng.normal(size=(num_members, 7)), jnp.bfloat16)}
     carried = jax.tree.map(lambda leaf: np.repeat(leaf[:, None], num_shards, axis=1), carried)
     hyperparams = hyperparams_of({"learning_rate": [1e-4, 3e-4, 1e-3, 3e-3]})
     state = jax.vmap(pbt.init_pbt_state)(hyperparams, jnp.repeat(jax.random.key(0)[None], num_members))
@@ -94,11 +104,17 @@ def test_exploit_copies_exactly_the_winners_state():
 
     run = sharding.shard_parallel(step, mesh, over_members=False)
     state = state.replace(key=jax.random.key_data(state.key))
-    new_carried, new_state = run(*sharding.put_members((carried, state, fitness), mesh))
+    arguments = sharding.put_members((carried, state, fitness), mesh)
+    gathered = [line for line in run.lower(*arguments).compile().as_text().splitlines()
+                if " all-gather(" in line or " all-gather-start(" in line]
+    assert gathered and all(f"[{num_members}]" in line.split("=", 1)[1].split("all-gather")[0] for line in gathered), \
+        gathered
+    new_carried, new_state = run(*arguments)
     got = jax.tree.map(np.asarray, sharding.all_shards(new_carried))
+    carried = jax.tree.map(np.asarray, carried)
     for name in carried:
-        np.testing.assert_array_equal(got[name][[0, 2, 3]], carried[name][[0, 2, 3]])
-        np.testing.assert_array_equal(got[name][1], carried[name][2])
+        np.testing.assert_array_equal(bits(got[name][[0, 2, 3]]), bits(carried[name][[0, 2, 3]]))
+        np.testing.assert_array_equal(bits(got[name][1]), bits(carried[name][2]))
     record = sharding.all_shards(new_state)
     assert np.asarray(record.copied_from)[:, 0].tolist() == [-1, 2, -1, -1]
     learning_rates = np.asarray(record.hyperparams.learning_rate)[:, 0]
