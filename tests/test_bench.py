@@ -28,9 +28,10 @@ import gpu  # noqa: E402
 TINY_STEPS = 4096  # 8 updates of 4 envs x 128 steps, in one chunk
 
 
-def result(steps_per_second, compile_seconds=5.0, peak=700.0, final_return=500.0):
+def result(steps_per_second, compile_seconds=5.0, peak=700.0, final_return=500.0, outside_training_seconds=8.0):
     return {"steps_per_second": steps_per_second, "first_run_steps_per_second": steps_per_second / 2,
-            "compile_seconds": compile_seconds, "peak_rss_mb": peak, "final_return": final_return}
+            "compile_seconds": compile_seconds, "peak_rss_mb": peak, "final_return": final_return,
+            "outside_training_seconds": outside_training_seconds}
 
 
 def tiny_plan(rows, sources):
@@ -116,7 +117,8 @@ def test_summary_takes_medians_and_the_median_of_round_ratios():
     rows = bench.comparisons(["scaling"], [])[:1]
     two, one = rows[0].numerator, rows[0].denominator
     measurements = {
-        two: [result(150.0, compile_seconds=4.0), result(90.0, compile_seconds=6.0), result(120.0)],
+        two: [result(150.0, compile_seconds=4.0), result(90.0, compile_seconds=6.0, outside_training_seconds=4.0),
+              result(120.0)],
         one: [result(100.0), result(100.0), result(50.0)],
     }
     (entry,) = bench.summarise(rows, measurements)
@@ -125,22 +127,24 @@ def test_summary_takes_medians_and_the_median_of_round_ratios():
     assert entry["round_ratios"] == [1.5, 0.9, 2.4]
     assert entry["steps_per_second_ratio"] == 1.5  # not 120 / 100
     assert entry["round_compile_ratios"] == [0.8, 1.2, 1.0] and entry["compile_seconds_ratio"] == 1.0
+    assert entry["round_outside_training_ratios"] == [1.0, 0.5, 1.0] and entry["outside_training_seconds_ratio"] == 1.0
     assert entry["scaling_efficiency"] == 0.75 and entry["guard"] is None
     assert "| scaling | jaxddppo small, 2 device(s) |" in bench.format_table([entry])
 
 
 def test_guarded_rows_are_held_to_the_bounds():
     rows = bench.comparisons(["guard"], [])
-    # This checkout / the baseline, row by row: steps/s and compile seconds.
+    # This checkout / the baseline, row by row: steps/s and seconds outside training (compile
+    # seconds are reported, not guarded: here 2x on every row).
     ratios = [(0.5, 3.0), (0.95, 1.1), (0.5, 3.0), (0.94, 1.0)]
     measurements = {}
-    for row, (steps, compile_ratio) in zip(rows, ratios, strict=True):
-        measurements[row.numerator] = [result(100.0 * steps, compile_seconds=compile_ratio)]
-        measurements[row.denominator] = [result(100.0, compile_seconds=1.0)]
+    for row, (steps, outside_ratio) in zip(rows, ratios, strict=True):
+        measurements[row.numerator] = [result(100.0 * steps, compile_seconds=2.0, outside_training_seconds=outside_ratio)]
+        measurements[row.denominator] = [result(100.0, compile_seconds=1.0, outside_training_seconds=1.0)]
     table = bench.summarise(rows, measurements)
     assert [entry["guard"] for entry in table] == [None, "pass", None, "FAIL"]
     assert bench.guard_failures(table) == ["jaxddppo small, 2 device(s), 32 seeds / baseline"]
-    measurements[rows[1].numerator] = [result(120.0, compile_seconds=1.11)]
+    measurements[rows[1].numerator] = [result(120.0, outside_training_seconds=1.11)]
     assert [entry["guard"] for entry in bench.summarise(rows, measurements)] == [None, "FAIL", None, "FAIL"]
     lines = bench.format_table(table).splitlines()
     assert lines[2].endswith("| - |") and lines[3].endswith("| pass |") and lines[5].endswith("| FAIL |")
@@ -283,6 +287,9 @@ def test_guard_side_by_side_with_this_checkout_as_baseline(tmp_path):
     new, old = (m["results"][0] for m in report["measurements"])
     assert entry["steps_per_second_ratio"] == pytest.approx(new["steps_per_second"] / old["steps_per_second"])
     assert entry["compile_seconds_ratio"] == pytest.approx(new["compile_seconds"] / old["compile_seconds"])
+    for run in (new, old):
+        assert run["compile_seconds"] < run["outside_training_seconds"] == pytest.approx(
+            run["wall_seconds"] - run["train_seconds"])
     assert entry["guard"] is None
 
 
