@@ -1,5 +1,6 @@
 """Several processes through jax.distributed, on one machine (127.0.0.1, gloo CPU collectives)."""
 
+import csv
 import json
 import os
 import signal
@@ -163,10 +164,10 @@ def test_launcher_stops_every_process_when_a_worker_dies(tmp_path):
     assert not processes_mentioning(str(run_dir)), "a worker outlived the launcher"
 
 
-def start_workers(args: list[str], port: int, log_dir: Path) -> list[subprocess.Popen]:
+def start_workers(args: list[str], port: int, log_dir: Path, command: str = "jaxddppo.train") -> list[subprocess.Popen]:
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxddppo.train", *args, f"distributed.coordinator=127.0.0.1:{port}",
+            [sys.executable, "-m", command, *args, f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}", "distributed.init_timeout=120"],
             env=subprocess_env(1), stdout=open(log_dir / f"worker{process_id}.log", "w"), stderr=subprocess.STDOUT,
         )
@@ -226,3 +227,31 @@ def test_both_processes_set_aside_a_damaged_checkpoint_and_resume_from_the_same_
         assert f"checkpoint {run_dir / 'checkpoints' / '8'} is damaged, skipped, moved to 8.damaged" in log, log
         assert f"resumed from {run_dir / 'checkpoints'}/4: update 4 of 8" in log, log
     assert json.loads((run_dir / "summary.json").read_text())["params_digest"] == before["params_digest"]
+
+
+def test_a_pbt_sweep_over_two_processes_copies_across_them(tmp_path):
+    """4 members, one per device, 2 devices per process: losers copy winners held by the other
+    process (the exploit's collective crosses processes), and the sweep ends with the
+    decisions and the bits of the same sweep in one process on one device."""
+    sweep_args = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=4",
+                  "ppo.num_steps=16", "train.total_env_steps=2048", "train.updates_per_chunk=8",
+                  "train.num_shards=2", "train.batch_members=false", "eval.num_episodes=4", "run.progress=false",
+                  "pbt.every_updates=8", "pbt.quantile=0.5", "ppo.learning_rate=[1e-4,3e-4,1e-3,3e-3]"]
+    workers = start_workers([*sweep_args, "--member-devices", "4", f"run.dir={tmp_path / 'multi'}",
+                             "run.cpu_devices=2"], free_port(), tmp_path, command="jaxddppo.sweep")
+    assert wait_all(workers) == [0, 0], [(tmp_path / f"worker{index}.log").read_text() for index in range(2)]
+    single = subprocess.run([sys.executable, "-m", "jaxddppo.sweep", *sweep_args, f"run.dir={tmp_path / 'single'}"],
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+
+    def exploits(run_dir: Path) -> list[dict]:
+        return [json.loads(line) for line in (run_dir / "pbt.jsonl").read_text().splitlines()]
+
+    def digests(run_dir: Path) -> list[str]:
+        with open(run_dir / "sweep.csv", newline="") as handle:
+            return [row["params_digest"] for row in csv.DictReader(handle)]
+
+    copies = [(row["member"], row["copied_from"]) for row in exploits(tmp_path / "multi") if row["update"] > 0]
+    assert any(loser // 2 != winner // 2 for loser, winner in copies), copies  # process = member // 2
+    assert exploits(tmp_path / "multi") == exploits(tmp_path / "single")
+    assert digests(tmp_path / "multi") == digests(tmp_path / "single")
