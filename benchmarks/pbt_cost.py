@@ -82,6 +82,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error(f"--rounds {args.rounds}: at least 2 (the ratio's quartiles need two rounds)")
+    if args.devices < 1:
+        parser.error(f"--devices {args.devices}: at least 1")
+    if args.hidden_size is not None and args.hidden_size < 1:
+        parser.error(f"--hidden-size {args.hidden_size}: at least 1")
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
     arms = {"exploit": population(CHUNK, args.devices, args.hidden_size),
             "no exploit": population(NEVER, args.devices, args.hidden_size)}
