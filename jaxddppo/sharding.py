@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxddppo.shards import DEVICE_AXIS, MEMBER_AXIS, DeviceShards, over_leading_axis
+from jaxddppo.shards import DEVICE_AXIS, MEMBER_AXIS, DeviceShards, as_words, over_leading_axis
 from jaxddppo.topology import Placement
 
 
@@ -203,16 +203,10 @@ def _host_digest(leaves: list[np.ndarray]) -> float:
 
 
 def _leaf_bits(leaf: jax.Array) -> jax.Array:
-    """The raw bits of `leaf` as uint32 (typed keys as their key data; narrower types widened,
-    wider ones split in 32-bit words)."""
+    """The raw bits of `leaf` as uint32 words (`shards.as_words`; typed keys as their key data)."""
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         leaf = jax.random.key_data(leaf)
-    if leaf.dtype == jnp.bool_:
-        leaf = leaf.astype(jnp.uint8)
-    width = leaf.dtype.itemsize
-    if width < 4:
-        return jax.lax.bitcast_convert_type(leaf, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
-    return jax.lax.bitcast_convert_type(leaf, jnp.uint32)
+    return as_words(leaf)
 
 
 def _mix(bits: jax.Array) -> jax.Array:

@@ -106,9 +106,8 @@ def copy_members(tree: Any, sources: jax.Array, destinations: jax.Array) -> Any:
     a destination). One row crosses the member axis at a time, so a device holds its own
     members and one more row, where an all-gather would hold every member's.
 
-    The row travels as a `psum` of its bits (unsigned integers, at least 32 wide), to which
-    every device but its holder adds zeros: integer sums are exact, where a float sum would
-    turn -0.0 into 0.0."""
+    The row travels as a `psum` of its bits (`as_words`), to which every device but its holder
+    adds zeros: integer sums are exact, where a float sum would turn -0.0 into 0.0."""
     members_per_device = _leading_length(tree)
     start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
 
@@ -121,8 +120,8 @@ def copy_members(tree: Any, sources: jax.Array, destinations: jax.Array) -> Any:
         here, destination = local_index(destinations[k])
 
         def copy_leaf(leaf: jax.Array) -> jax.Array:
-            bits = _as_bits(leaf[source])
-            row = _from_bits(jax.lax.psum(jnp.where(held, bits, jnp.zeros_like(bits)), MEMBER_AXIS), leaf.dtype)
+            words = as_words(leaf[source])
+            row = from_words(jax.lax.psum(jnp.where(held, words, jnp.zeros_like(words)), MEMBER_AXIS), leaf.dtype)
             return jax.lax.dynamic_update_index_in_dim(leaf, jnp.where(here, row, leaf[destination]), destination, 0)
 
         return jax.tree.map(copy_leaf, tree)
@@ -130,22 +129,26 @@ def copy_members(tree: Any, sources: jax.Array, destinations: jax.Array) -> Any:
     return jax.lax.fori_loop(0, sources.shape[0], copy_one, tree)
 
 
-def _as_bits(value: jax.Array) -> jax.Array:
-    """`value`'s bits as unsigned integers of its width, widened to at least 32 bits (NCCL,
-    for one, adds no 16-bit integers)."""
+def as_words(value: jax.Array) -> jax.Array:
+    """The raw bits of `value` as uint32 words: narrower types (bool as uint8) widened, wider
+    ones split in 32-bit words (a last axis of 2). A `psum` adds uint32 on every backend
+    (NCCL, for one, adds no 16-bit integers)."""
     if value.dtype == jnp.bool_:
-        return value.astype(jnp.uint32)
-    width = max(value.dtype.itemsize * 8, 32)
-    bits = jax.lax.bitcast_convert_type(value, jnp.dtype(f"uint{value.dtype.itemsize * 8}"))
-    return bits.astype(jnp.dtype(f"uint{width}"))
+        value = value.astype(jnp.uint8)
+    width = value.dtype.itemsize
+    if width < 4:
+        return jax.lax.bitcast_convert_type(value, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(value, jnp.uint32)
 
 
-def _from_bits(bits: jax.Array, dtype: np.dtype) -> jax.Array:
-    """The inverse of `_as_bits` for a value of `dtype`."""
+def from_words(words: jax.Array, dtype: Any) -> jax.Array:
+    """The value of `dtype` whose `as_words` are `words`."""
+    dtype = jnp.dtype(dtype)
     if dtype == jnp.bool_:
-        return bits != 0
-    narrow = bits.astype(jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}"))
-    return jax.lax.bitcast_convert_type(narrow, dtype)
+        return words != 0
+    if dtype.itemsize < 4:
+        words = words.astype(jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    return jax.lax.bitcast_convert_type(words, dtype)
 
 
 def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
