@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
-from jaxddppo.cli import OneLineParser
+from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
 from jaxddppo.compile_cache import use_compilation_cache
 from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError
 from jaxddppo.config_files import as_config, load_config, load_resume_config
@@ -309,9 +309,15 @@ def resume_sweep(run_dir: str, overrides: Sequence[str] = (), devices: Optional[
                  stop_after_updates: Optional[int] = None) -> SweepResult:
     """Continue the sweep in `run_dir` from its newest checkpoint, with its config.yaml and
     sweep.json and the overrides a resume allows."""
-    spec = read_spec(run_dir)
-    return run_sweep(load_resume_config(run_dir, overrides), spec.grid, spec.seeds, spec.member_devices, devices,
-                     resume=True, stop_after_updates=stop_after_updates)
+    return _resume(load_resume_config(run_dir, overrides), devices, stop_after_updates)
+
+
+def _resume(config: Config, devices: Optional[Sequence[jax.Device]], stop_after_updates: Optional[int]
+            ) -> SweepResult:
+    """`resume_sweep` with the run directory's config read (`config.run.dir` names it)."""
+    spec = read_spec(config.run.dir)
+    return run_sweep(config, spec.grid, spec.seeds, spec.member_devices, devices, resume=True,
+                     stop_after_updates=stop_after_updates)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -327,13 +333,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         epilog="configuration keys (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
-    source.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the sweep in RUN_DIR (its config.yaml, sweep.json and newest checkpoint) "
-                        f"with its grid; overrides may change only {', '.join(RESUMABLE_KEYS)}")
-    parser.add_argument("--stop-after-updates", type=int, metavar="N",
-                        help="stop with a checkpoint once every member has done N updates (the sweep can be resumed)")
+    add_start_arguments(
+        parser,
+        resume_help="continue the sweep in RUN_DIR (its config.yaml, sweep.json and newest checkpoint) with its "
+        f"grid; overrides may change only {', '.join(RESUMABLE_KEYS)}",
+        stop_help="stop with a checkpoint once every member has done N updates (the sweep can be resumed)")
     parser.add_argument("--seeds", type=int, help="seeds per grid point: train.seed, train.seed+1, ... (default 1)")
     parser.add_argument("--member-devices", type=int,
                         help="devices the members are split over (default: as many as divide the member count). "
@@ -342,9 +346,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         "device per core, as many as divide the member count")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value|[v1,v2,...]",
                         help="override or sweep one option")
-    args = parser.parse_intermixed_args(argv)
-    if args.stop_after_updates is not None and args.stop_after_updates < 1:
-        parser.error(f"--stop-after-updates={args.stop_after_updates} must be at least 1")
+    args = parse_start_arguments(parser, argv)
     if args.resume is not None and (args.seeds is not None or args.member_devices is not None):
         parser.error("--seeds and --member-devices cannot change on --resume: the sweep keeps its own")
     return args
@@ -356,8 +358,9 @@ def start(args: argparse.Namespace) -> SweepResult:
     if args.resume is not None:
         if grid:
             raise ConfigError(f"{', '.join(grid)} cannot be swept on --resume: the sweep keeps its own grid")
-        use_compilation_cache(load_resume_config(args.resume, plain).run.compilation_cache)
-        return resume_sweep(args.resume, plain, stop_after_updates=args.stop_after_updates)
+        config = load_resume_config(args.resume, plain)
+        use_compilation_cache(config.run.compilation_cache)
+        return _resume(config, None, args.stop_after_updates)
     config = load_config(args.config, plain)
     use_compilation_cache(config.run.compilation_cache)
     if args.member_devices is None:

@@ -16,7 +16,7 @@ import jax
 from jaxddppo import cpu_tuning, distributed
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.compile_cache import use_compilation_cache
-from jaxddppo.cli import OneLineParser
+from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
 from jaxddppo.config import RESUMABLE_KEYS, Config
 from jaxddppo.config_files import as_config, load_config, load_resume_config
 from jaxddppo.config_reference import help_text
@@ -78,18 +78,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         epilog="configuration keys, set in the YAML file or as section.key=value (type, default): meaning\n" + help_text(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", help="YAML config file, e.g. experiments/cartpole.yaml")
-    source.add_argument("--resume", metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR (its config.yaml and newest checkpoint); overrides may "
-                        f"change only {', '.join(RESUMABLE_KEYS)}")
-    parser.add_argument("--stop-after-updates", type=int, metavar="N",
-                        help="stop with a checkpoint once N updates are done in all (the run can be resumed)")
+    add_start_arguments(
+        parser,
+        resume_help="continue the run in RUN_DIR (its config.yaml and newest checkpoint); overrides may change "
+        f"only {', '.join(RESUMABLE_KEYS)}",
+        stop_help="stop with a checkpoint once N updates are done in all (the run can be resumed)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="override one option")
-    args = parser.parse_intermixed_args(argv)
-    if args.stop_after_updates is not None and args.stop_after_updates < 1:
-        parser.error(f"--stop-after-updates={args.stop_after_updates} must be at least 1")
-    return args
+    return parse_start_arguments(parser, argv)
 
 
 def with_cpu_device_per_core(config: Config) -> Config:

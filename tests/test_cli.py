@@ -213,6 +213,8 @@ BAD_INPUTS = [
      ["type.yaml", "ppo.gamma", "high"]),
     ("override_without_equals", ["env.num_envs"], {}, ["env.num_envs"]),
     ("unknown_flag", ["--frobnicate"], {}, ["--frobnicate"]),
+    ("stop_after_no_updates", ["--stop-after-updates", "0"], {}, ["--stop-after-updates=0", "at least 1"]),
+    ("config_and_resume", ["--config", "{tmp}/c.yaml", "--resume", "{tmp}"], {}, ["--resume", "--config"]),
 ]
 
 

@@ -253,8 +253,11 @@ def run_module(module: str, args: list[str], cwd: Path, xla_flags: str = "--xla_
     (["env.num_envs=[4,8]"], ["env.num_envs", "structural"]),
     (["ppo.learning_rate=[1e-3,abc]"], ["ppo.learning_rate", "abc"]),
     (["--seeds", "2", "--member-devices", "2"], ["--member-devices=2", "1"]),
+    (["--stop-after-updates", "0"], ["--stop-after-updates=0", "at least 1"]),
+    (["--resume", "{tmp}", "--seeds", "2"], ["--seeds", "--resume"]),
 ])
 def test_sweep_command_refuses_bad_input_in_one_line(tmp_path, args, expected):
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     result = run_module("jaxddppo.sweep", [*args, f"run.dir={tmp_path / 'r'}"], tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
