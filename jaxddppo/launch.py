@@ -24,24 +24,54 @@ stderr, sends SIGTERM to the others, SIGKILLs any still running after
 --timeout-after-failure seconds (default 10) and exits 1. Ctrl-C or SIGTERM of
 the launcher stops every process the same way (exit 130 or 143). It exits 0
 when every process does. Argument errors: one line on stderr, exit 2.
+
+One abort counts as a success, with a line saying so: a process that printed the
+trainer's "done" line and then died of SIGABRT in jaxlib's shutdown of the
+distributed service (`JAXLIB_EXIT_ABORT`), a fault of jaxlib 0.11.2 at interpreter
+exit that leaves the results complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import IO, Optional, Sequence
 
 from jaxddppo.cli import OneLineParser
 
 TRAIN_COMMAND = [sys.executable, "-m", "jaxddppo.train"]
 POLL_SECONDS = 0.05
+# What jaxlib 0.11.2 prints when the process hosting the coordination service (process 0)
+# aborts while its gRPC server is destroyed at interpreter exit, now and then, after the
+# trainer has finished.
+JAXLIB_EXIT_ABORT = ("DistributedRuntimeService::Shutdown", "Check failed: queue.Pop() == nullptr")
+FINISHED_LINE = re.compile(r"done \(process \d+ of \d+\)")  # the trainer's last line of a finished run
+READER_GRACE_SECONDS = 5.0  # for the output of a process that has exited to be read to its end
+
+
+@dataclass
+class OutputFacts:
+    """What one process's output has shown so far."""
+
+    finished: bool = False  # the trainer's "done" line
+    exit_abort_texts: set[str] = field(default_factory=set)  # those of JAXLIB_EXIT_ABORT seen
+
+    def note(self, line: str) -> None:
+        # A progress bar may precede the line with carriage returns that clear it.
+        self.finished = self.finished or FINISHED_LINE.match(line.rsplit("\r", 1)[-1]) is not None
+        self.exit_abort_texts.update(text for text in JAXLIB_EXIT_ABORT if text in line)
+
+    @property
+    def aborted_after_finishing(self) -> bool:
+        return self.finished and len(self.exit_abort_texts) == len(JAXLIB_EXIT_ABORT)
 
 
 class SignalWatch:
@@ -115,11 +145,12 @@ def print_locked(lock: threading.Lock, text: str, stream_name: str = "stdout") -
         stream.flush()
 
 
-def forward_output(process_id: int, pipe: IO[bytes], lock: threading.Lock) -> None:
-    """Print every line of `pipe` as `[p<process_id>] <line>` until it closes."""
+def forward_output(process_id: int, pipe: IO[bytes], lock: threading.Lock, facts: OutputFacts) -> None:
+    """Print every line of `pipe` as `[p<process_id>] <line>` until it closes, noting each in `facts`."""
     with pipe:
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            facts.note(line)
             print_locked(lock, f"[p{process_id}] {line}\n")
 
 
@@ -144,9 +175,20 @@ def stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
             process.wait()
 
 
-def wait_for_all(processes: Sequence[subprocess.Popen], lock: threading.Lock, signals: SignalWatch) -> int:
-    """0 once every process has exited 0; 1 as soon as one has not, 128 + signal number
-    as soon as the launcher receives SIGINT or SIGTERM (after saying which)."""
+def finished_before_exit_abort(returncode: int, reader: threading.Thread, facts: OutputFacts) -> bool:
+    """Whether a process that exited with `returncode` finished its training and then met
+    jaxlib's abort at exit (`JAXLIB_EXIT_ABORT`); its output is read to the end first."""
+    if returncode != -signal.SIGABRT:
+        return False
+    reader.join(READER_GRACE_SECONDS)
+    return facts.aborted_after_finishing
+
+
+def wait_for_all(processes: Sequence[subprocess.Popen], lock: threading.Lock, signals: SignalWatch,
+                 readers: Sequence[threading.Thread], facts: Sequence[OutputFacts]) -> int:
+    """0 once every process has exited 0 (or finished before jaxlib's abort at exit); 1 as
+    soon as one has not, 128 + signal number as soon as the launcher receives SIGINT or
+    SIGTERM (after saying which)."""
     running = dict(enumerate(processes))
     while running:
         if signals.received is not None:
@@ -158,7 +200,11 @@ def wait_for_all(processes: Sequence[subprocess.Popen], lock: threading.Lock, si
             if returncode is None:
                 continue
             del running[process_id]
-            if returncode != 0:
+            if finished_before_exit_abort(returncode, readers[process_id], facts[process_id]):
+                print_locked(lock, f"launch: process {process_id} finished, then {describe_exit(returncode)} in "
+                             "jaxlib's shutdown of the distributed service (a jaxlib 0.11.2 fault at exit; its "
+                             "results are complete): counted as done\n", "stderr")
+            elif returncode != 0:
                 print_locked(
                     lock, f"launch: process {process_id} {describe_exit(returncode)}; stopping the others\n", "stderr"
                 )
@@ -187,6 +233,7 @@ def launch(
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
+    facts = [OutputFacts() for _ in range(num_processes)]
     with SignalWatch() as signals:
         try:
             for process_id in range(num_processes):
@@ -196,10 +243,11 @@ def launch(
                     start_new_session=True,
                 )
                 processes.append(process)
-                reader = threading.Thread(target=forward_output, args=(process_id, process.stdout, lock), daemon=True)
+                reader = threading.Thread(target=forward_output, args=(process_id, process.stdout, lock,
+                                                                       facts[process_id]), daemon=True)
                 reader.start()
                 readers.append(reader)
-            return wait_for_all(processes, lock, signals)
+            return wait_for_all(processes, lock, signals, readers, facts)
         finally:
             stop(processes, timeout_after_failure)
             for reader in readers:

@@ -4,7 +4,9 @@ The fake trainer reads its `key=value` arguments, writes its pid and what it saw
 (arguments, XLA_FLAGS, JAX_PLATFORMS, PYTHONUNBUFFERED) to files in `out=DIR`,
 prints two lines, then behaves as `mode=` says: `ok` exits 0; `fail` makes
 process 1 exit 3 once every process has written its pid, while the others sleep;
-`sleep` sleeps until killed.
+`sleep` sleeps until killed; `exit_abort` makes process 0 print jaxlib 0.11.2's
+abort at exit and abort, after the trainer's "done" line with `done=1` (the others
+exit 0).
 """
 
 from __future__ import annotations
@@ -42,8 +44,15 @@ write(f"seen{index}.json", json.dumps(seen))
 write(f"pid{index}", str(os.getpid()))
 print(f"hello from {index}")
 print(f"stderr of {index}", file=sys.stderr)
-if args["mode"] == "ok":
+if args["mode"] == "ok" or (args["mode"] == "exit_abort" and index > 0):
     sys.exit(0)
+if args["mode"] == "exit_abort":
+    if args.get("done") == "1":
+        print("done (process 0 of 2): 2,048 steps in 1.0 s (2,048 steps/s, compile 1.0 s); eval return 9.0")
+    print("F1128 13:49:47.551606   29396 server.cc:561] Check failed: queue.Pop() == nullptr (0x7f8c vs. (null))",
+          file=sys.stderr)
+    print("    @     0x7f8d2ad7611b  xla::DistributedRuntimeService::Shutdown()", file=sys.stderr, flush=True)
+    os.abort()
 if args["mode"] == "fail" and index == 1:
     num_processes = int(args["distributed.num_processes"])
     while not all(os.path.exists(os.path.join(out, f"pid{i}")) for i in range(num_processes)):
@@ -121,6 +130,22 @@ def test_user_jax_platforms_is_kept(tmp_path, monkeypatch):
     seen = json.loads((tmp_path / "seen0.json").read_text())
     assert seen["JAX_PLATFORMS"] == "cuda"
     assert seen["args"]["run.cpu_devices"] == "3"
+
+
+def test_an_abort_in_jaxlibs_shutdown_after_the_done_line_counts_as_done(tmp_path, capsys):
+    assert launch(["mode=exit_abort", "done=1", f"out={tmp_path}"], 2, 1, command=FAKE_COMMAND) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("launch: process 0 finished, then exited with status -6 (killed by SIGABRT) in jaxlib's "
+                            "shutdown of the distributed service (a jaxlib 0.11.2 fault at exit; its results are "
+                            "complete): counted as done\n")
+    assert "[p0] done (process 0 of 2): 2,048 steps in 1.0 s (2,048 steps/s, compile 1.0 s); eval return 9.0" in (
+        captured.out.splitlines())
+
+
+def test_the_same_abort_without_the_done_line_is_a_failure(tmp_path, capsys):
+    assert launch(["mode=exit_abort", f"out={tmp_path}"], 2, 1, command=FAKE_COMMAND) == 1
+    assert capsys.readouterr().err.endswith(
+        "launch: process 0 exited with status -6 (killed by SIGABRT); stopping the others\n")
 
 
 def test_failing_process_stops_the_others(tmp_path, capsys):

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -36,6 +37,21 @@ def free_port() -> int:
 # Evaluations after updates 4 and 8: a collective every process must join.
 PERIODIC_EVAL = ["train.updates_per_chunk=4", "eval.every_updates=4"]
 
+# jaxlib 0.11.2: process 0 hosts the coordination service and now and then (once in about 20 of
+# these two-process runs on a loaded 2-core machine) aborts with SIGABRT while its gRPC server is
+# destroyed at interpreter exit, after the command has finished and written its results
+# (docs/multihost.md, "Exit status").
+JAXLIB_EXIT_ABORT = ("DistributedRuntimeService::Shutdown", "Check failed: queue.Pop() == nullptr")
+
+
+def exit_code(returncode: int, log: str) -> int:
+    """A worker's exit code, 0 for one that finished its command (its "done" line) and then met
+    jaxlib's abort at exit."""
+    finished = re.search(r"^done \(process \d+ of \d+\)", log, re.MULTILINE) is not None
+    if returncode == -signal.SIGABRT and finished and all(text in log for text in JAXLIB_EXIT_ABORT):
+        return 0
+    return returncode
+
 
 def eval_rows(run_dir: Path) -> list[tuple]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -64,7 +80,7 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
         for worker in workers:
             worker.kill()
     for worker, output in zip(workers, outputs):
-        assert worker.returncode == 0, output
+        assert exit_code(worker.returncode, output) == 0, output
     assert "process 1 of 2" in outputs[1] and "process 0 writes the results" in outputs[1]
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert (summary["num_processes"], summary["num_devices"], summary["num_shards"]) == (2, 4, 4)
@@ -175,12 +191,14 @@ def start_workers(args: list[str], port: int, log_dir: Path, command: str = "jax
     ]
 
 
-def wait_all(workers: list[subprocess.Popen], timeout: float = 300) -> list[int]:
+def wait_all(workers: list[subprocess.Popen], log_dir: Path, timeout: float = 300) -> list[int]:
+    """The exit codes (`exit_code`) of the workers `start_workers` started with logs in `log_dir`."""
     try:
-        return [worker.wait(timeout=timeout) for worker in workers]
+        codes = [worker.wait(timeout=timeout) for worker in workers]
     finally:
         for worker in workers:
             worker.kill()
+    return [exit_code(code, (log_dir / f"worker{index}.log").read_text()) for index, code in enumerate(codes)]
 
 
 @pytest.mark.slow  # about 60 s; the single-process SIGTERM test in test_checkpoint.py runs in CI
@@ -195,7 +213,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_update_and_they_resume(tm
         assert all(w.poll() is None for w in workers) and time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     workers[1].send_signal(signal.SIGTERM)
-    codes = wait_all(workers)
+    codes = wait_all(workers, tmp_path)
     logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     assert codes == [75, 75], logs
     stops = [int(log.split(" after update ")[1].split()[0]) for log in logs]
@@ -204,7 +222,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_update_and_they_resume(tm
     assert stops[0] == stops[1] and str(stops[0]) in os.listdir(run_dir / "checkpoints")
 
     resume = ["--resume", str(run_dir), f"train.total_env_steps={(stops[0] + 2) * 256}"]
-    codes = wait_all(start_workers(resume, free_port(), tmp_path))
+    codes = wait_all(start_workers(resume, free_port(), tmp_path), tmp_path)
     logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], logs
     assert [json.loads(line)["update"] for line in metrics.read_text().splitlines()] == list(range(1, stops[0] + 3))
@@ -216,11 +234,11 @@ def test_both_processes_set_aside_a_damaged_checkpoint_and_resume_from_the_same_
     run_dir = tmp_path / "run"
     args = [*SMALL_RUN, f"run.dir={run_dir}", "run.cpu_devices=2", "train.updates_per_chunk=4",
             "checkpoint.every_updates=4"]
-    assert wait_all(start_workers(args, free_port(), tmp_path)) == [0, 0]
+    assert wait_all(start_workers(args, free_port(), tmp_path), tmp_path) == [0, 0]
     before = json.loads((run_dir / "summary.json").read_text())
     flip_a_stored_bit(run_dir / "checkpoints" / "8")
 
-    codes = wait_all(start_workers(["--resume", str(run_dir)], free_port(), tmp_path))
+    codes = wait_all(start_workers(["--resume", str(run_dir)], free_port(), tmp_path), tmp_path)
     logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], logs
     for log in logs:
@@ -239,7 +257,7 @@ def test_a_pbt_sweep_over_two_processes_copies_across_them(tmp_path):
                   "pbt.every_updates=8", "pbt.quantile=0.5", "ppo.learning_rate=[1e-4,3e-4,1e-3,3e-3]"]
     workers = start_workers([*sweep_args, "--member-devices", "4", f"run.dir={tmp_path / 'multi'}",
                              "run.cpu_devices=2"], free_port(), tmp_path, command="jaxddppo.sweep")
-    assert wait_all(workers) == [0, 0], [(tmp_path / f"worker{index}.log").read_text() for index in range(2)]
+    assert wait_all(workers, tmp_path) == [0, 0], [(tmp_path / f"worker{index}.log").read_text() for index in range(2)]
     single = subprocess.run([sys.executable, "-m", "jaxddppo.sweep", *sweep_args, f"run.dir={tmp_path / 'single'}"],
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
