@@ -175,13 +175,10 @@ def stop(processes: Sequence[subprocess.Popen], timeout: float) -> None:
             process.wait()
 
 
-def finished_before_exit_abort(returncode: int, reader: threading.Thread, facts: OutputFacts) -> bool:
-    """Whether a process that exited with `returncode` finished its training and then met
-    jaxlib's abort at exit (`JAXLIB_EXIT_ABORT`); its output is read to the end first."""
-    if returncode != -signal.SIGABRT:
-        return False
-    reader.join(READER_GRACE_SECONDS)
-    return facts.aborted_after_finishing
+def finished_before_exit_abort(returncode: int, facts: OutputFacts) -> bool:
+    """Whether a process that exited with `returncode`, its whole output noted in `facts`,
+    finished its training and then met jaxlib's abort at exit (`JAXLIB_EXIT_ABORT`)."""
+    return returncode == -signal.SIGABRT and facts.aborted_after_finishing
 
 
 def wait_for_all(processes: Sequence[subprocess.Popen], lock: threading.Lock, signals: SignalWatch,
@@ -200,7 +197,9 @@ def wait_for_all(processes: Sequence[subprocess.Popen], lock: threading.Lock, si
             if returncode is None:
                 continue
             del running[process_id]
-            if finished_before_exit_abort(returncode, readers[process_id], facts[process_id]):
+            if returncode == -signal.SIGABRT:
+                readers[process_id].join(READER_GRACE_SECONDS)  # its output, to the end
+            if finished_before_exit_abort(returncode, facts[process_id]):
                 print_locked(lock, f"launch: process {process_id} finished, then {describe_exit(returncode)} in "
                              "jaxlib's shutdown of the distributed service (a jaxlib 0.11.2 fault at exit; its "
                              "results are complete): counted as done\n", "stderr")

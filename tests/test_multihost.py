@@ -3,7 +3,6 @@
 import csv
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from conftest import flip_a_stored_bit, subprocess_env
 from jaxddppo import distributed, sharding
 from jaxddppo.config_files import load_config
 from jaxddppo.experiment import build
+from jaxddppo.launch import OutputFacts, finished_before_exit_abort
 from jaxddppo.train import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,20 +37,14 @@ def free_port() -> int:
 # Evaluations after updates 4 and 8: a collective every process must join.
 PERIODIC_EVAL = ["train.updates_per_chunk=4", "eval.every_updates=4"]
 
-# jaxlib 0.11.2: process 0 hosts the coordination service and now and then (once in about 20 of
-# these two-process runs on a loaded 2-core machine) aborts with SIGABRT while its gRPC server is
-# destroyed at interpreter exit, after the command has finished and written its results
-# (docs/multihost.md, "Exit status").
-JAXLIB_EXIT_ABORT = ("DistributedRuntimeService::Shutdown", "Check failed: queue.Pop() == nullptr")
-
 
 def exit_code(returncode: int, log: str) -> int:
-    """A worker's exit code, 0 for one that finished its command (its "done" line) and then met
-    jaxlib's abort at exit."""
-    finished = re.search(r"^done \(process \d+ of \d+\)", log, re.MULTILINE) is not None
-    if returncode == -signal.SIGABRT and finished and all(text in log for text in JAXLIB_EXIT_ABORT):
-        return 0
-    return returncode
+    """A worker's exit code, 0 for one that finished its command and then met jaxlib 0.11.2's
+    abort at exit, as the launcher counts it (docs/multihost.md, "Exit status")."""
+    facts = OutputFacts()
+    for line in log.splitlines():
+        facts.note(line)
+    return 0 if finished_before_exit_abort(returncode, facts) else returncode
 
 
 def eval_rows(run_dir: Path) -> list[tuple]:
