@@ -143,7 +143,9 @@ def place_population(num_members: int, num_shards: Optional[int], num_devices: i
     `num_shards=None` then means one shard per device of a member's row.
     """
     if member_devices is not None:
-        if member_devices < 1 or num_devices % member_devices:
+        if member_devices < 1:
+            raise ConfigError(f"--member-devices={member_devices} must be at least 1")
+        if num_devices % member_devices:
             raise ConfigError(f"--member-devices={member_devices} must divide the device count {num_devices}")
         _require_divisible(("the member count (grid points x seeds)", num_members),
                            ("--member-devices", member_devices),

@@ -254,6 +254,7 @@ def run_module(module: str, args: list[str], cwd: Path, xla_flags: str = "--xla_
     (["ppo.learning_rate=[1e-3,abc]"], ["ppo.learning_rate", "abc"]),
     (["--seeds", "2", "--member-devices", "2"], ["--member-devices=2", "1"]),
     (["--stop-after-updates", "0"], ["--stop-after-updates=0", "at least 1"]),
+    (["--member-devices", "0"], ["--member-devices=0", "at least 1"]),
     (["--resume", "{tmp}", "--seeds", "2"], ["--seeds", "--resume"]),
 ])
 def test_sweep_command_refuses_bad_input_in_one_line(tmp_path, args, expected):
