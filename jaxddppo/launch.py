@@ -53,7 +53,8 @@ POLL_SECONDS = 0.05
 # aborts while its gRPC server is destroyed at interpreter exit, now and then, after the
 # trainer has finished.
 JAXLIB_EXIT_ABORT = ("DistributedRuntimeService::Shutdown", "Check failed: queue.Pop() == nullptr")
-FINISHED_LINE = re.compile(r"done \(process \d+ of \d+\)")  # the trainer's last line of a finished run
+# The trainer's last line of a finished run ("done: ..." when it is the only process).
+FINISHED_LINE = re.compile(r"done( \(process \d+ of \d+\))?: ")
 READER_GRACE_SECONDS = 5.0  # for the output of a process that has exited to be read to its end
 
 

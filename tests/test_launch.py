@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxddppo.launch import launch
+from jaxddppo.launch import OutputFacts, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 60  # a child process that outlives this is a bug
@@ -140,6 +140,20 @@ def test_an_abort_in_jaxlibs_shutdown_after_the_done_line_counts_as_done(tmp_pat
                             "complete): counted as done\n")
     assert "[p0] done (process 0 of 2): 2,048 steps in 1.0 s (2,048 steps/s, compile 1.0 s); eval return 9.0" in (
         captured.out.splitlines())
+
+
+@pytest.mark.parametrize("lines, finished", [
+    (["done (process 1 of 4): 8,192 steps in 0.9 s"], True),
+    (["done: 8,192 steps in 0.9 s"], True),  # the only process
+    (["\r" + " " * 20 + "\rdone: 8,192 steps in 0.9 s"], True),  # after a progress bar cleared itself
+    (["jaxddppo: not done yet", "done"], False),
+])
+def test_the_done_line_is_recognised(lines, finished):
+    facts = OutputFacts()
+    for line in lines + ["F1128 server.cc:561] Check failed: queue.Pop() == nullptr (0x7f8c vs. (null))",
+                         "    @     0x7f8d2ad7611b  xla::DistributedRuntimeService::Shutdown()"]:
+        facts.note(line)
+    assert facts.aborted_after_finishing == finished
 
 
 def test_the_same_abort_without_the_done_line_is_a_failure(tmp_path, capsys):
