@@ -14,7 +14,9 @@ core,batch] [--out FILE]`.
             `wrap_for_brax_training`, as Brax PPO steps it (restarts from each environment's
             cached first state), with the same random actions
 
-Every scan and the first states compile at once, each in a thread of its own; then all run
+Every scan and the first states compile at once, each in a thread of its own, with the
+options the trainer compiles its programs with on this backend (`run.cpu_tuning`'s on CPU;
+`--xla-defaults`: XLA's own); then all run
 in one process, alternating over rounds, each timed over whole scans of
 `num_steps` steps until every environment has taken at least `steps_per_env` steps (by
 default two episodes of the environment's time limit, so restarts are inside the window).
@@ -35,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxddppo import cpu_tuning
 from jaxddppo.config import START_STATES
 from jaxddppo.envs import BatchedEnv, batch_size, make_env
 from jaxddppo.envs.base import float_observation, random_actions, strongly_typed
@@ -145,13 +148,15 @@ def _vmapped(scan: Callable) -> Callable:
     return grouped
 
 
-def compile_all(lowerings: dict[str, Callable[[], jax.stages.Lowered]]) -> tuple[dict[str, Any], dict[str, float]]:
-    """Each program of `lowerings` lowered and compiled in a thread of its own (XLA compiles
-    without holding Python's GIL), and the seconds each took with the others beside it."""
+def compile_all(lowerings: dict[str, Callable[[], jax.stages.Lowered]],
+                options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Each program of `lowerings` lowered and compiled with `options` in a thread of its own
+    (XLA compiles without holding Python's GIL), and the seconds each took with the others
+    beside it."""
 
     def timed(lower: Callable[[], jax.stages.Lowered]) -> tuple[Any, float]:
         start = time.perf_counter()
-        program = lower().compile()
+        program = lower().compile(options)
         return program, time.perf_counter() - start
 
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
@@ -162,10 +167,12 @@ def compile_all(lowerings: dict[str, Callable[[], jax.stages.Lowered]]) -> tuple
 
 def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, steps_per_env: int = 0,
                   optimistic_reset_ratio: int = 1, start_states: str = "fresh",
-                  with_brax: bool = False, contenders: Sequence[str] = CONTENDERS) -> dict[str, Any]:
+                  with_brax: bool = False, contenders: Sequence[str] = CONTENDERS,
+                  xla_defaults: bool = False) -> dict[str, Any]:
     """Steps/s of each of `contenders` (the core's always among them; medians over
     `rounds`), their compile seconds (every scan and the first states compile at once,
-    each beside the others), and the ratios to the core's rate."""
+    each beside the others, with the trainer's compiler options for a program that runs
+    many times, or XLA's defaults), and the ratios to the core's rate."""
     if not valid_contenders(contenders):
         raise ValueError(f"contenders={list(contenders)} must include 'core' and name only {list(CONTENDERS)}")
     if num_envs % GROUPS:
@@ -181,8 +188,9 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
     lowerings = {name: (lambda make_scan=make_scan, name=name:
                         jax.jit(make_scan(env, num_steps)).lower(step_key, shapes[name]))
                  for name, make_scan in makers.items()}
+    options = {} if xla_defaults else cpu_tuning.compiler_options(jax.devices()[0].platform, runs_once=False)
     start = time.perf_counter()
-    compiled, compile_seconds = compile_all({**lowerings, "first carries": traced_firsts.lower})
+    compiled, compile_seconds = compile_all({**lowerings, "first carries": traced_firsts.lower}, options)
     compile_wall_seconds = time.perf_counter() - start
     print(f"{env_id}: compiled {', '.join(f'{name} in {compile_seconds[name]:.1f} s' for name in compile_seconds)}, "
           f"{compile_wall_seconds:.1f} s in all", file=sys.stderr, flush=True)
@@ -205,6 +213,7 @@ def measure_rates(env_id: str, num_envs: int, num_steps: int, rounds: int = 2, s
     medians = {name: statistics.median(values) for name, values in rates.items()}
     return {
         "env_id": env_id, "num_envs": num_envs, "num_steps": num_steps, "start_states": start_states,
+        "compiler_options": options,
         "steps_per_env": scans_per_round * num_steps,
         "steps_per_second": medians, "rounds": rates, "compile_wall_seconds": compile_wall_seconds,
         "compile_seconds": {name: compile_seconds[name] for name in compiled},
@@ -230,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"comma-separated, the core among them (default {','.join(CONTENDERS)})")
     parser.add_argument("--with-brax", action="store_true",
                         help="also step a playground: task as Brax PPO does (Playground's training wrapper)")
+    parser.add_argument("--xla-defaults", action="store_true",
+                        help="compile with XLA's default options, not the trainer's (run.cpu_tuning's on CPU)")
     parser.add_argument("--out", help="write the result as JSON to this file")
     args = parser.parse_args(argv)
     if args.num_envs < GROUPS or args.num_envs % GROUPS:
@@ -242,7 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not valid_contenders(contenders):
         parser.error(f"--contenders={args.contenders} must include core and name only {','.join(CONTENDERS)}")
     result = measure_rates(args.env_id, args.num_envs, args.num_steps, args.rounds, args.steps_per_env,
-                           args.optimistic_reset_ratio, args.start_states, args.with_brax, contenders)
+                           args.optimistic_reset_ratio, args.start_states, args.with_brax, contenders,
+                           args.xla_defaults)
     rates = result["steps_per_second"]
     print(f"{args.env_id}, {args.num_envs} envs, {result['steps_per_env']} steps each per round: core "
           f"{rates['core']:,.0f} steps/s"

@@ -14,7 +14,10 @@ random orders), not in the algorithm:
   one array of integers directly.
 - `compiler_options`: XLA's CPU backend spends most of a compile in LLVM, whose level 3
   makes these programs no faster than its level 2, and whose level 0, with XLA's older
-  kernel emitter, suffices for a program that runs once.
+  kernel emitter, suffices for a program that runs once. From jaxlib 0.10, XLA hands
+  elementwise fusions (a multiply-reduce among them) to the YNNPACK library by default,
+  at which MJX's physics steps at half its rate; the options keep YNNPACK to single dots,
+  where the learner gains from it.
 - `dense_dot_general` gives each Dense layer the same product, whose kernel gradient
   multiplies the layer's inputs transposed into a matrix of their own (an optimisation
   barrier keeps XLA from folding the transpose back into the product), a layout XLA's CPU
@@ -52,6 +55,11 @@ _SIXTY_FOUR_BITS = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experim
 
 # jaxlib 0.11.1 refuses the compile option `xla_cpu_use_fusion_emitters` ("No such compile option").
 _HAS_OLDER_KERNEL_EMITTER = jax.__version_info__ < (0, 11, 1)
+
+# From jaxlib 0.10, XLA's CPU backend hands elementwise fusions to YNNPACK by default: Playground's
+# CheetahRun steps at 0.52x its rate with them (jaxlib 0.9 hands YNNPACK nothing by default).
+_YNNPACK_FOR_SINGLE_DOTS = ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+                            if jax.__version_info__ >= (0, 10, 0) else {})
 
 # JAX's criterion for the random bits a shuffle needs: 3 x log2(n), so that ties are rare.
 _BITS_PER_ELEMENT_FACTOR = 3
@@ -162,14 +170,14 @@ def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
     on CPU, XLA's backend optimisation level 2 for a program that runs many times (XLA's
     default is 3), and for one that runs once level 0 with XLA's older kernel emitter, which
     compiles small kernels faster than its fusion emitters (jaxlib 0.11.1 removed the
-    option, and XLA's CPU backend has only the fusion emitters from then on); none elsewhere
-    (XLA's GPU backend refuses level 0)."""
+    option, and XLA's CPU backend has only the fusion emitters from then on); from jaxlib
+    0.10, YNNPACK for single dots only; none elsewhere (XLA's GPU backend refuses level 0)."""
     if platform != "cpu":
         return {}
     if runs_once:
         older_emitter = {"xla_cpu_use_fusion_emitters": False} if _HAS_OLDER_KERNEL_EMITTER else {}
-        return {"xla_backend_optimization_level": 0, **older_emitter}
-    return {"xla_backend_optimization_level": 2}
+        return {"xla_backend_optimization_level": 0, **older_emitter, **_YNNPACK_FOR_SINGLE_DOTS}
+    return {"xla_backend_optimization_level": 2, **_YNNPACK_FOR_SINGLE_DOTS}
 
 
 def backend_started() -> bool:

@@ -345,8 +345,11 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
 
 
 def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
+    from jaxddppo import cpu_tuning
+
     result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10)
     assert result["num_envs"] == 8 and result["steps_per_env"] == 10
+    assert result["compiler_options"] == cpu_tuning.compiler_options("cpu", runs_once=False)  # the trainer's
     assert set(result["steps_per_second"]) == set(env_rates.CONTENDERS)
     assert all(rate > 0 for rate in result["steps_per_second"].values())
     rates = result["steps_per_second"]
@@ -356,8 +359,10 @@ def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
 
 
 def test_env_rates_measure_only_the_contenders_asked_and_the_core_always():
-    result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10, contenders=("core", "batch"))
+    result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10, contenders=("core", "batch"),
+                                     xla_defaults=True)
     assert set(result["steps_per_second"]) == {"core", "batch"} and set(result["compile_seconds"]) == {"core", "batch"}
+    assert result["compiler_options"] == {}
     assert "batch_vmapped_over_core" not in result and result["batch_over_core"] > 0
     with pytest.raises(ValueError, match=r"contenders=\['batch'\] must include 'core'"):
         env_rates.measure_rates("Pendulum-v1", 8, 5, contenders=("batch",))

@@ -1,8 +1,8 @@
 """jaxddppo.cpu_tuning: run.cpu_tuning resolves auto by platform; its shuffle is a uniformly
 random permutation, drawn as the stable sorts it describes; its compiler options reach every
-program and start training from the same state; its Dense product has Dense's forward pass and
-the gradients of a float64 NumPy reference; the train command splits the CPU into one device per
-core only as far as the run's sizes allow."""
+program, start training from the same state and keep elementwise fusions from YNNPACK; its
+Dense product has Dense's forward pass and the gradients of a float64 NumPy reference; the
+train command splits the CPU into one device per core only as far as the run's sizes allow."""
 
 import collections
 import itertools
@@ -123,9 +123,27 @@ def test_an_unresolved_switch_is_refused():
 
 def test_compiler_options_lower_levels_on_cpu_only():
     older_emitter = {"xla_cpu_use_fusion_emitters": False} if jax.__version_info__ < (0, 11, 1) else {}
-    assert compiler_options("cpu", runs_once=True) == {"xla_backend_optimization_level": 0, **older_emitter}
-    assert compiler_options("cpu", runs_once=False) == {"xla_backend_optimization_level": 2}
+    single_dots = ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+                   if jax.__version_info__ >= (0, 10) else {})
+    assert compiler_options("cpu", runs_once=True) == {"xla_backend_optimization_level": 0, **older_emitter,
+                                                       **single_dots}
+    assert compiler_options("cpu", runs_once=False) == {"xla_backend_optimization_level": 2, **single_dots}
     assert compiler_options("gpu", runs_once=True) == compiler_options("tpu", runs_once=False) == {}
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 10), reason="jaxlib < 0.10 hands YNNPACK no fusion by default")
+@pytest.mark.parametrize("runs_once", [False, True])
+def test_compiler_options_keep_elementwise_fusions_out_of_the_dot_library(runs_once):
+    """XLA's default hands a multiply-reduce fusion to YNNPACK (MJX's physics steps at half its
+    rate so); with the options it stays XLA's own, and computes the same sums."""
+    values = jnp.linspace(-1.0, 1.0, 1024 * 64, dtype=jnp.float32).reshape(1024, 64)
+    lowered = jax.jit(lambda x: (x * x).sum(axis=-1)).lower(values)
+    default = lowered.compile()
+    tuned = lowered.compile(compiler_options=compiler_options("cpu", runs_once))
+    assert "ynn_fusion" in default.as_text()
+    assert "ynn_fusion" not in tuned.as_text()
+    reference = (np.asarray(values, np.float64) ** 2).sum(axis=-1)
+    np.testing.assert_allclose(np.asarray(tuned(values)), reference, rtol=1e-5)
 
 
 @pytest.mark.slow
