@@ -1,6 +1,6 @@
 """An environment's own stepping rate beside the trainer's batched, auto-resetting one:
 `python benchmarks/env_rates.py ENV_ID --num-envs N --num-steps T [--rounds R] [--contenders
-core,batch] [--out FILE]`.
+core,batch] [--xla-defaults] [--out FILE]`.
 
   core      the family adapter's `step` vmapped over the environments, with uniformly random
             (legal) actions, in one jitted `lax.scan`: no resets at all, the environment's
@@ -16,10 +16,10 @@ core,batch] [--out FILE]`.
 
 Every scan and the first states compile at once, each in a thread of its own, with the
 options the trainer compiles its programs with on this backend (`run.cpu_tuning`'s on CPU;
-`--xla-defaults`: XLA's own); then all run
-in one process, alternating over rounds, each timed over whole scans of
-`num_steps` steps until every environment has taken at least `steps_per_env` steps (by
-default two episodes of the environment's time limit, so restarts are inside the window).
+`--xla-defaults`: XLA's own); then all run in one process, alternating over rounds, each
+timed over whole scans of `num_steps` steps until every environment has taken at least
+`steps_per_env` steps (by default two episodes of the environment's time limit, so
+restarts are inside the window).
 families.py and gpu.py run it, each measurement a process of its own
 (`bench.env_rates_command`); nothing in jaxddppo imports it.
 """
