@@ -57,7 +57,7 @@ _SIXTY_FOUR_BITS = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experim
 _HAS_OLDER_KERNEL_EMITTER = jax.__version_info__ < (0, 11, 1)
 
 # From jaxlib 0.10, XLA's CPU backend hands elementwise fusions to YNNPACK by default: Playground's
-# CheetahRun steps at 0.52x its rate with them (jaxlib 0.9 hands YNNPACK nothing by default).
+# CheetahRun steps at about half its rate with them (jaxlib 0.9 hands YNNPACK nothing by default).
 _YNNPACK_FOR_SINGLE_DOTS = ({"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
                             if jax.__version_info__ >= (0, 10, 0) else {})
 
