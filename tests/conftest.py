@@ -105,16 +105,25 @@ def small_config(run_dir: Path, **sections: dict):
     return from_dict(values)
 
 
-def flip_a_stored_bit(step_dir: Path) -> Path:
-    """Flip one bit in the middle of the largest data file of a checkpoint
-    (`state/ocdbt.process_*/d/*`: raw array bytes, no checksum of their own), as a bad disk
-    or a torn copy does: the checkpoint still reads back, with one number changed.
-    Returns the file changed."""
-    path = max((step_dir / "state").glob("ocdbt.process_*/d/*"), key=lambda path: path.stat().st_size)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    path.write_bytes(bytes(data))
-    return path
+def flip_a_stored_bit(step_dir: Path) -> str:
+    """Flip one bit of one number of a checkpoint's parameters, as a bad disk or a torn copy
+    does: the checkpoint still reads back, with one number changed. Returns the array's name.
+
+    The change goes through tensorstore (OCDBT stores it as the array's newest version) rather
+    than into the files' bytes: the data is zstd-compressed, zstd finds a flipped bit at some
+    positions ("Data corruption detected", so the checkpoint is unreadable instead, as in
+    tests/test_checkpoint.py), and which array lies where changes from run to run."""
+    import tensorstore
+
+    state = {"driver": "ocdbt", "base": f"file://{step_dir / 'state'}/"}
+    names = sorted(key.decode()[:-len("/.zarray")] for key in tensorstore.KvStore.open(state).result().list().result()
+                   if key.startswith(b"params.") and key.endswith(b"kernel/.zarray"))
+    assert names, f"no parameter array in {step_dir / 'state'}"
+    array = tensorstore.open({"driver": "zarr", "kvstore": {**state, "path": f"{names[0]}/"}}).result()
+    values = array.read().result()
+    values.reshape(-1).view(np.uint8)[values.nbytes // 2] ^= 0x10
+    array.write(values).result()
+    return names[0]
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
