@@ -77,16 +77,16 @@ def state_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
-# jaxlib 0.11.2 (0.11.1 and earlier are fine; jax pins jaxlib to its own release) crashes the
-# process with a segmentation fault while compiling a jit(shard_map(f)) over two or more devices
-# that passes a zero-sized array into f: an argument (navix's state holds one), or a constant f
+# jaxlib 0.11.2 (0.11.1 and earlier, and 0.12.0 on, are fine; jax pins jaxlib to its own release)
+# crashes the process with a segmentation fault while compiling a jit(shard_map(f)) over two or more
+# devices that passes a zero-sized array into f: an argument (navix's state holds one), or a constant f
 # closes over, which JAX passes in the same way (JAX's own `x.at[:, :].set(y)` scatters with
 # int32[0] indices, as xminigrid's resets do). The crash is in Shardy's canonicalisation
-# (ManualComputationUnusedInputsPattern). In that range, zero-sized arguments, which hold no
+# (ManualComputationUnusedInputsPattern). On that release, zero-sized arguments, which hold no
 # values, are made inside f instead of passed, and f runs in an inner `jax.jit`, which keeps its
 # constants out of the shard_map's operands. tests/test_sharding.py runs both bare programs in
-# subprocesses and fails once a release in the range compiles them: then bound it by that release.
-_ZERO_SIZED_OPERAND_CRASH = jax.__version_info__ >= (0, 11, 2)
+# subprocesses, expecting the crash exactly in this range.
+_ZERO_SIZED_OPERAND_CRASH = (0, 11, 2) <= jax.__version_info__ < (0, 12)
 
 
 def _jit_over_mesh(per_device: Callable, mesh: Mesh, spec: PartitionSpec, donate_argnums: tuple[int, ...],

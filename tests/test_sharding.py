@@ -9,7 +9,7 @@
 - Programs that run once compile for speed of compiling, with the same results; the
   seed is an argument of the programs, so every seed shares them.
 - Zero-sized arrays in a shard_map's body compile on two devices, which jaxlib 0.11.2
-  does not do by itself (its bare reproducers run in subprocesses).
+  does not do by itself (its bare reproducers run in subprocesses; 0.12 does).
 """
 
 import json
@@ -450,9 +450,9 @@ else:
 
 @pytest.mark.parametrize("operand", ["constant", "argument"])
 def test_the_bare_zero_sized_operand_programs_crash_exactly_where_the_workaround_applies(operand):
-    """In a subprocess: segfault in the range `sharding` works around (jaxlib 0.11.2 on), `[1. 1.]`
-    elsewhere. Once a release in the range compiles them, bound the range by that release, and
-    drop the workaround when no supported release is in it."""
+    """In a subprocess: segfault in the range `sharding` works around (jaxlib 0.11.2; 0.12.0 and
+    0.12.0.1 compile them), `[1. 1.]` elsewhere. Drop the workaround when no supported release is
+    in the range."""
     process = subprocess.run([sys.executable, "-c", ZERO_SIZED_OPERAND_SCRIPT, operand], env=subprocess_env(2),
                              capture_output=True, text=True, timeout=300)
     crashed = process.returncode == -signal.SIGSEGV
