@@ -77,10 +77,10 @@ def state_spec(mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(MEMBER_AXIS, DEVICE_AXIS) if is_population(mesh) else PartitionSpec(DEVICE_AXIS)
 
 
-# jaxlib 0.11.2 (0.11.1 and earlier, and 0.12.0 on, are fine; jax pins jaxlib to its own release)
-# crashes the process with a segmentation fault while compiling a jit(shard_map(f)) over two or more
-# devices that passes a zero-sized array into f: an argument (navix's state holds one), or a constant f
-# closes over, which JAX passes in the same way (JAX's own `x.at[:, :].set(y)` scatters with
+# jaxlib 0.11.2 (0.11.1 and earlier, 0.12.0 and 0.12.0.1 are fine; jax pins jaxlib to its own
+# release) crashes the process with a segmentation fault while compiling a jit(shard_map(f)) over two
+# or more devices that passes a zero-sized array into f: an argument (navix's state holds one), or a
+# constant f closes over, which JAX passes in the same way (JAX's own `x.at[:, :].set(y)` scatters with
 # int32[0] indices, as xminigrid's resets do). The crash is in Shardy's canonicalisation
 # (ManualComputationUnusedInputsPattern). On that release, zero-sized arguments, which hold no
 # values, are made inside f instead of passed, and f runs in an inner `jax.jit`, which keeps its
