@@ -4,8 +4,8 @@
 `off`. `resolve` fixes `auto` once the devices are known; the run directory's config.yaml
 records the resolved value, so a resume draws what the run drew on any backend. On, it
 turns on what XLA's CPU backend runs or compiles faster written another way, each kept
-because it pays on this project's large config (docs/benchmarks.md has the timings and
-the commands); results differ from the plain path's in the last bits (the shuffle: in its
+because it pays on this project's large config (timings: docs/benchmarks.md, CPU
+tuning); results differ from the plain path's in the last bits (the shuffle: in its
 random orders), not in the algorithm:
 
 - `sort_permutations` draws the epochs' minibatch orders instead of
