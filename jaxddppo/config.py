@@ -19,11 +19,19 @@ class ConfigError(ValueError):
     """Bad user input; the message is one line that names the key and the value."""
 
 
-def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None) -> Any:
-    metadata = {"help": help, "choices": choices}
+def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None, reference: bool = False) -> Any:
+    """An option's field; `reference`: besides `choices`, the value may be `module:attribute`."""
+    metadata = {"help": help, "choices": choices, "reference": reference}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=metadata)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+def is_reference(value: Any) -> bool:
+    """Whether an option's value names the user's own code (`module:attribute`)."""
+    return isinstance(value, str) and ":" in value
 
 
 # Where an episode restarts: a fresh state from the reset pool, or the environment's own first state.
@@ -35,8 +43,13 @@ class EnvConfig:
     """The environment and how many run at once."""
 
     id: str = _opt(
-        "CartPole-v1", "FAMILY:NAME (e.g. craftax:Craftax-Classic-Symbolic-v1), or a bare gymnax id "
+        "CartPole-v1", "FAMILY:NAME (e.g. craftax:Craftax-Classic-Symbolic-v1), a bare gymnax id, or "
+        "module.path:attribute naming your own environment, imported from the working directory or PYTHONPATH "
         "(see docs/environments.md)"
+    )
+    kwargs: dict[str, Any] = _opt(
+        {}, "keyword arguments of your own environment's class or factory (env.id=module:attribute), e.g. "
+        "env.kwargs.size=8"
     )
     num_envs: int = _opt(4, "global number of parallel environments, summed over all shards")
     optimistic_reset_ratio: int = _opt(
@@ -63,9 +76,13 @@ class NetworkConfig:
     """The actor-critic network."""
 
     torso: str = _opt(
-        "auto", "mlp, cnn, or auto (cnn for image observations [H, W, C], or a dict observation's image leaves; "
-        "else mlp)",
-        choices=("auto", "mlp", "cnn"),
+        "auto", "mlp, cnn, auto (cnn for image observations [H, W, C], or a dict observation's image leaves; "
+        "else mlp), or module.path:attribute naming your own flax Module class or factory, called on a batch of "
+        "observations and returning features [batch, F] (see docs/algorithm.md)",
+        choices=("auto", "mlp", "cnn"), reference=True,
+    )
+    torso_kwargs: dict[str, Any] = _opt(
+        {}, "keyword arguments of your own torso's class or factory (network.torso=module:attribute)"
     )
     hidden_sizes: tuple[int, ...] = _opt((64, 64), "widths of the MLP layers (after the CNN, if any)")
     activation: str = _opt(
@@ -287,8 +304,11 @@ def validate(config: Config) -> None:
         for fld in dataclasses.fields(values):
             key, value = f"{section.name}.{fld.name}", getattr(values, fld.name)
             choices = fld.metadata.get("choices")
+            if fld.metadata.get("reference") and is_reference(value):
+                continue
             if choices is not None and value is not None:
-                _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
+                alternative = " or module:attribute" if fld.metadata.get("reference") else ""
+                _check(value in choices, key, value, f"must be one of {', '.join(choices)}{alternative}")
             if isinstance(value, float):
                 _check(math.isfinite(value), key, value, "must be a finite number")
     positive_ints = [

@@ -93,6 +93,8 @@ def _parse_overrides(overrides: Iterable[str]) -> Any:
             raise ConfigError(f"override '{item}' is not of the form section.key=value")
         if not value:
             raise ConfigError(f"override '{item}' has no value")
+        if value.endswith(":") and value[0] not in "'\"[{":
+            value = "'" + value.replace("'", "''") + "'"  # a string (an attribute-less reference), not a mapping
         pairs.append(f"{key}={value}")
     try:
         layer = OmegaConf.from_dotlist(pairs)
@@ -166,10 +168,10 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
     stored = _load(layer, path, ())
     resumed = _load(layer, path, overrides)
     before, after = _flat(to_dict(stored)), _flat(to_dict(resumed))
-    for key in before:
-        if before[key] != after[key] and key != "run.dir" and not is_resumable(key):
+    for key in [*before, *(key for key in after if key not in before)]:  # env.kwargs' keys may come or go
+        if before.get(key) != after.get(key) and key != "run.dir" and not is_resumable(key):
             raise ConfigError(
-                f"{key}={after[key]!r} cannot change on resume (the run has {before[key]!r}): it would change "
+                f"{key}={after.get(key)!r} cannot change on resume (the run has {before.get(key)!r}): it would change "
                 f"the algorithm mid-run; a resume may change {', '.join(RESUMABLE_KEYS)}"
             )
     if before["run.dir"] != after["run.dir"]:

@@ -18,6 +18,7 @@ class OptionInfo:
     default: Any
     help: str
     choices: Optional[tuple[str, ...]] = None
+    reference: bool = False  # besides the choices, module:attribute naming the user's code
 
 
 def _type_name(annotation: Any) -> str:
@@ -37,7 +38,7 @@ def options(config_type: type = Config, prefix: str = "") -> list[OptionInfo]:
             result.extend(options(type(value), f"{prefix}{fld.name}."))
         else:
             result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"],
-                                     fld.metadata["choices"]))
+                                     fld.metadata["choices"], fld.metadata["reference"]))
     return result
 
 
@@ -91,6 +92,7 @@ def reference_markdown() -> str:
             if opt.choices:
                 type_name = "one of " + ", ".join(f"`{choice}`" for choice in opt.choices)
                 type_name += ", or null" if opt.type_name.endswith(" or null") else ""
+                type_name += ", or `module:attribute`" if opt.reference else ""
             meaning = opt.help.replace("|", "\\|")
             lines.append(f"| `{opt.key}` | {type_name} | `{_markdown_value(opt.default)}` | {meaning} |")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, ev
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
+from jaxddppo.references import UserObjects
 from jaxddppo.topology import Topology, make_topology
 
 
@@ -240,13 +241,15 @@ class Experiment:
 
 
 def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
-             topology: Topology) -> Experiment:
+             topology: Topology, objects: UserObjects = UserObjects()) -> Experiment:
     """The experiment of `members` (whose configs differ from `config` in seed and
     hyperparameters at most) on `mesh`; compiles nothing. The experiment's config has
-    `run.cpu_tuning` resolved for the mesh's devices."""
+    `run.cpu_tuning` resolved for the mesh's devices. `objects`: the environment and torso
+    given to the Python API in place of `env.id` and `network.torso`, if any."""
     config = cpu_tuning.resolve(config, mesh.devices.flat[0].platform)
     pbt_settings = population_training(config, members, topology) if sharding.is_population(mesh) else None
-    env = make_env(config.env.id, config.env.optimistic_reset_ratio, config.env.start_states)
+    env = make_env(config.env.id, config.env.optimistic_reset_ratio, config.env.start_states, config.env.kwargs,
+                   objects.env)
     return Experiment(
         config=config,
         members=tuple(members),
@@ -254,7 +257,8 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
         mesh=mesh,
         env=env,
         network=make_actor_critic(config.network, env.spec,
-                                  dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff"),
+                                  dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff",
+                                  torso=objects.torso),
         settings=UpdateSettings.from_config(config, topology),
         pbt=pbt_settings,
     )
@@ -276,7 +280,8 @@ def population_training(config: Config, members: Sequence[Member], topology: Top
                                        topology.num_updates)
 
 
-def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
+def build(config: Config, devices: Optional[Sequence[jax.Device]] = None,
+          objects: UserObjects = UserObjects()) -> Experiment:
     """A single run: a population of one on a mesh over `devices` (default: every device
     of every process). Validates everything that needs the environment and the devices;
     compiles nothing. The experiment's config has train.num_shards resolved."""
@@ -287,7 +292,7 @@ def build(config: Config, devices: Optional[Sequence[jax.Device]] = None) -> Exp
     topology = make_topology(config, num_devices=mesh.devices.size)
     config = replace(config, train=replace(config.train, num_shards=topology.num_shards))
     member = Member(index=0, setting=0, seed=config.train.seed, values={}, config=config)
-    return assemble(config, [member], mesh, topology)
+    return assemble(config, [member], mesh, topology, objects)
 
 
 def all_finite(tree: Any) -> jax.Array:

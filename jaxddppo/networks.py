@@ -30,9 +30,10 @@ from flax import struct
 from jax import custom_batching
 
 from jaxddppo import cpu_tuning
-from jaxddppo.config import ConfigError, NetworkConfig
+from jaxddppo.config import ConfigError, NetworkConfig, is_reference
 from jaxddppo.envs import EnvSpec, batch_size
 from jaxddppo.normalization import RunningMoments, normalize
+from jaxddppo.references import article, call_user_code, resolve
 
 _LOG_2PI = math.log(2.0 * math.pi)
 # An illegal action's logit: its probability is exactly 0 in float32, and being finite it
@@ -178,6 +179,16 @@ class Torso(nn.Module):
         return x
 
 
+def _flat_batch_features(torso: nn.Module, observations: Any, observation_rank: int) -> jax.Array:
+    """A user's torso on observations of any leading batch shape [..., *leaf shape]: called on
+    one batch axis [N, ...], as its contract says, its features [N, F] returned as [..., F]."""
+    first = jax.tree.leaves(observations)[0]
+    batch_shape = first.shape[:first.ndim - observation_rank]
+    flat = jax.tree.map(lambda leaf: leaf.reshape((-1,) + leaf.shape[len(batch_shape):]), observations)
+    features = torso(flat)
+    return features.reshape(batch_shape + features.shape[1:])
+
+
 class ActorCriticModule(nn.Module):
     hidden_sizes: Sequence[int]
     activation: str
@@ -187,13 +198,21 @@ class ActorCriticModule(nn.Module):
     num_actions: int
     init_log_std: float
     dense_gradient: str
+    # A user's torso (`network.torso=module:attribute`), unbound, cloned for each use; its inputs are
+    # the observations (without the action mask), whose first leaf has this rank per environment.
+    custom_torso: Optional[nn.Module]
+    observation_rank: int
+
+    def torso_features(self, name: str, inputs: Any) -> jax.Array:
+        """The features of the torso called `name` (call inside the compact method)."""
+        if self.custom_torso is None:
+            return Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dense_gradient, name=name)(inputs)
+        return _flat_batch_features(self.custom_torso.clone(parent=self, name=name), inputs, self.observation_rank)
 
     @nn.compact
     def __call__(self, inputs: TorsoInputs) -> tuple[Distribution, jax.Array]:
-        torso = lambda name: Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dense_gradient,
-                                   name=name)
-        actor_features = torso("torso" if self.shared_torso else "actor_torso")(inputs)
-        critic_features = actor_features if self.shared_torso else torso("critic_torso")(inputs)
+        actor_features = self.torso_features("torso" if self.shared_torso else "actor_torso", inputs)
+        critic_features = actor_features if self.shared_torso else self.torso_features("critic_torso", inputs)
         value = _dense(1, 1.0, self.dense_gradient)(critic_features)[..., 0]
         head = _dense(self.num_actions, 0.01, self.dense_gradient)(actor_features)
         if self.discrete:
@@ -228,7 +247,7 @@ class RecurrentActorCriticModule(ActorCriticModule):
         names = ("torso",) if self.shared_torso else ("actor_torso", "critic_torso")
         new_carry, features = [], []
         for name, core_carry in zip(names, carry):
-            x = Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dense_gradient, name=name)(inputs)
+            x = self.torso_features(name, inputs)
             core_carry = jax.tree.map(lambda c: jnp.where(episode_start[:, None], 0.0, c), core_carry)
             core_carry, out = _recurrent_cell(self.recurrent, self.recurrent_size, f"{name}_core")(core_carry, x)
             new_carry.append(core_carry)
@@ -290,10 +309,13 @@ class ObservationLayout:
     features: Any  # EnvSpec.observation without the action mask
     use_cnn: bool
     mask_key: Optional[str]
+    custom_torso: bool = False  # a user's torso takes the observations as they are (without the mask)
 
-    def torso_inputs(self, obs: Any) -> TorsoInputs:
+    def torso_inputs(self, obs: Any) -> Any:
         """A batch of observations (leaves [..., *leaf shape]) as the torso's inputs: images and vectors,
-        each in tree order."""
+        each in tree order (the observations without the mask, for a user's torso)."""
+        if self.custom_torso:
+            return _without_mask(obs, self.mask_key)
         images, vectors = [], []
         for leaf, spec in zip(jax.tree.leaves(_without_mask(obs, self.mask_key)), jax.tree.leaves(self.features)):
             if self.use_cnn and _is_image(spec):
@@ -331,11 +353,13 @@ def _check_action_mask(spec: EnvSpec) -> None:
                           f"[{spec.num_actions}] leaf of a dict observation, not {mask}")
 
 
-def observation_layout(config: NetworkConfig, spec: EnvSpec) -> ObservationLayout:
+def observation_layout(config: NetworkConfig, spec: EnvSpec, custom_torso: bool = False) -> ObservationLayout:
     """The layout of `spec`'s observations, or ConfigError for a torso or mask that cannot apply."""
     if spec.action_mask_key is not None:
         _check_action_mask(spec)
     features = _without_mask(spec.observation, spec.action_mask_key)
+    if custom_torso:
+        return ObservationLayout(features=features, use_cnn=False, mask_key=spec.action_mask_key, custom_torso=True)
     has_image = any(_is_image(leaf) for leaf in jax.tree.leaves(features))
     use_cnn = config.torso == "cnn" or (config.torso == "auto" and has_image)
     if use_cnn and not has_image:
@@ -344,10 +368,53 @@ def observation_layout(config: NetworkConfig, spec: EnvSpec) -> ObservationLayou
     return ObservationLayout(features=features, use_cnn=use_cnn, mask_key=spec.action_mask_key)
 
 
-def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dense_gradient: str = "autodiff") -> ActorCritic:
+def _torso_name(target: Any) -> str:
+    return getattr(target, "__qualname__", None) or type(target).__qualname__
+
+
+def make_user_torso(config: NetworkConfig, layout: ObservationLayout, given: Any = None) -> nn.Module:
+    """The user's torso (`network.torso=module:attribute`, or the module or factory `given` to the
+    Python API) as an unbound module, checked on a batch of 2 observations: ConfigError unless it
+    initialises and returns features [2, F] of a float dtype and keeps only parameters."""
+    key, value = "network.torso", config.torso
+    target = resolve(key, value, given, "torso")
+    kwargs = dict(config.torso_kwargs)
+    if isinstance(target, nn.Module):
+        if kwargs:
+            raise ConfigError(f"network.torso_kwargs={kwargs!r} is invalid for {key}={value!r}: it names a module "
+                              "instance, not a class or factory to pass them to")
+        torso = target
+    elif callable(target):
+        torso = call_user_code(key, value, f"{_torso_name(target)}(**network.torso_kwargs)", lambda: target(**kwargs),
+                               origin=target)
+        if not isinstance(torso, nn.Module):
+            raise ConfigError(f"{key}={value!r}: {_torso_name(target)}(**network.torso_kwargs) returned "
+                              f"{article(type(torso).__qualname__)}, not a flax linen Module")
+    else:
+        raise ConfigError(f"{key}={value!r} names {article(type(target).__qualname__)}, neither a flax linen Module "
+                          "nor a class or factory that returns one")
+    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct((2, *leaf.shape), leaf.dtype), layout.features)
+    features, variables = call_user_code(key, value, "calling the torso on a batch of observations", jax.eval_shape,
+                                         lambda obs: torso.init_with_output(jax.random.key(0), obs), batch)
+    if set(variables) - {"params"}:
+        raise ConfigError(f"{key}={value!r}: the torso keeps variables other than parameters "
+                          f"({', '.join(sorted(set(variables) - {'params'}))}), which the trainer does not update")
+    shape = getattr(features, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != 2 or not jnp.issubdtype(features.dtype, jnp.floating):
+        got = f"{tuple(shape)} {features.dtype}" if shape is not None else article(type(features).__qualname__)
+        raise ConfigError(f"{key}={value!r}: the torso must return float features [batch, F]; on a batch of 2 "
+                          f"observations it returned {got}")
+    return torso
+
+
+def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dense_gradient: str = "autodiff",
+                      torso: Any = None) -> ActorCritic:
     """The actor-critic `config` describes for `spec`'s observations and actions; `dense_gradient`
-    is "autodiff" or, with the CPU switch on, "cpu_transposed" (`_dense`)."""
-    layout = observation_layout(config, spec)
+    is "autodiff" or, with the CPU switch on, "cpu_transposed" (`_dense`). `torso`: the object
+    given to the Python API in place of `network.torso`'s reference, if any."""
+    custom = torso is not None or is_reference(config.torso)
+    layout = observation_layout(config, spec, custom_torso=custom)
+    custom_torso = make_user_torso(config, layout, torso) if custom else None
     common = {
         "hidden_sizes": tuple(config.hidden_sizes),
         "activation": config.activation,
@@ -357,6 +424,8 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dense_gradient: str 
         "num_actions": spec.num_actions,
         "init_log_std": config.init_log_std,
         "dense_gradient": dense_gradient,
+        "custom_torso": custom_torso,
+        "observation_rank": len(jax.tree.leaves(layout.features)[0].shape),
     }
     if config.recurrent is not None:
         return _recurrent_actor_critic(config, RecurrentActorCriticModule(

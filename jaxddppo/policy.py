@@ -25,6 +25,7 @@ from jaxddppo.envs import BatchedEnv
 from jaxddppo.experiment import build
 from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
+from jaxddppo.references import with_objects
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,17 @@ class Policy:
 
 
 def load_policy(run_dir: str, step: Optional[int] = None,
-                report: Callable[[str], None] = warnings.warn) -> Policy:
+                report: Callable[[str], None] = warnings.warn, *, env: Any = None, torso: Any = None) -> Policy:
     """The policy of `run_dir`'s newest intact checkpoint (or of checkpoint `step`).
 
     Works on any number of devices: the run's shards are restored onto one local device.
     Raises ConfigError or CheckpointError (one-line messages) for a bad directory or a
     damaged `step`; unreadable or damaged newer checkpoints that were skipped, and a
-    checkpoint without a digest, are passed to `report`.
+    checkpoint without a digest, are passed to `report`. A run trained on an environment or
+    torso object without an importable reference needs the same `env` or `torso` again.
     """
-    config = load_resume_config(run_dir)
-    experiment = build(config, devices=jax.local_devices()[:1])
+    config, objects = with_objects(load_resume_config(run_dir), env, torso)
+    experiment = build(config, devices=jax.local_devices()[:1], objects=objects)
     checkpointer = Checkpointer(run_dir, read_only=True)
     try:
         target = experiment.abstract_state()

@@ -21,6 +21,7 @@ from jaxddppo.config_files import with_overrides
 from jaxddppo.config_reference import options
 from jaxddppo.experiment import Experiment, Member, assemble
 from jaxddppo.loss import PPOHyperparams
+from jaxddppo.references import UserObjects
 from jaxddppo.topology import make_topology, place_population
 
 SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
@@ -84,8 +85,10 @@ def expand_members(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds:
 
 def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds: Optional[int] = None,
                      member_devices: Optional[int] = None,
-                     devices: Optional[Sequence[jax.Device]] = None) -> Experiment:
-    """Validate the grid, the placement and every size; compile nothing."""
+                     devices: Optional[Sequence[jax.Device]] = None,
+                     objects: UserObjects = UserObjects()) -> Experiment:
+    """Validate the grid, the placement and every size; compile nothing. `objects`: the
+    environment and torso given to the Python API, if any (`experiment.assemble`)."""
     members = expand_members(config, grid, num_seeds)
     devices = list(jax.devices() if devices is None else devices)
     placement = place_population(len(members), config.train.num_shards, len(devices), member_devices)
@@ -94,7 +97,7 @@ def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seed
     members = [replace(member, config=with_shards(member.config)) for member in members]
     topology = make_topology(config, num_devices=placement.shard_devices,
                                       num_processes=jax.process_count())
-    return assemble(config, members, sharding.make_population_mesh(placement, devices), topology)
+    return assemble(config, members, sharding.make_population_mesh(placement, devices), topology, objects)
 
 
 def swept_keys(population: Experiment) -> list[str]:
@@ -105,15 +108,18 @@ def split_overrides(overrides: Sequence[str]) -> tuple[list[str], dict[str, list
     """`key=[a,b,...]` items become grid axes (values as written); the rest stay plain overrides.
 
     A list-valued option (e.g. network.hidden_sizes=[64,64]) is a plain override;
-    a list of lists for it is a grid axis.
+    a list of lists for it is a grid axis. A list in a keyword-argument mapping
+    (env.kwargs.*, network.torso_kwargs.*) is always a plain override.
     """
     list_options = {opt.key for opt in options() if opt.type_name.startswith("list")}
+    mappings = tuple(f"{opt.key}." for opt in options() if opt.type_name.startswith("dict"))
     plain, grid = [], {}
     for item in overrides:
         key, sep, value = item.partition("=")
         value = value.strip()
         is_list = value.startswith("[") and value.endswith("]")
-        if not sep or not is_list or (key in list_options and not value.startswith("[[")):
+        # a keyword argument's list (env.kwargs.sizes=[3,5]) is its value: structural keys are never swept
+        if not sep or not is_list or key.startswith(mappings) or (key in list_options and not value.startswith("[[")):
             plain.append(item)
             continue
         if key in grid:

@@ -24,6 +24,7 @@ def claim_run_dir(path: Optional[str], name: str) -> str:
     `runs/<name>-<timestamp>` takes a numbered suffix instead.
     """
     explicit = path is not None
+    name = name.replace("<", "").replace(">", "")  # an object's `<object>:NAME` (references.py)
     base = path if explicit else os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     candidate, attempt = base, 1
     while True:

@@ -46,6 +46,7 @@ from jaxddppo.population import (
     split_overrides,
     swept_keys,
 )
+from jaxddppo.references import with_objects
 from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
 
 RESUME_COMMAND = "python -m jaxddppo.sweep --resume"
@@ -243,7 +244,7 @@ def save_curves(population: Experiment, run_dir: str) -> None:
 def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, Sequence[Any]]] = None,
               seeds: Optional[int] = None, member_devices: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None, *, resume: bool = False,
-              stop_after_updates: Optional[int] = None) -> SweepResult:
+              stop_after_updates: Optional[int] = None, env: Any = None, torso: Any = None) -> SweepResult:
     """Train grid x seeds as one population; write config.yaml, sweep.json, metrics.jsonl,
     checkpoints, sweep.csv, summary.json and curves.png to the run dir and print the
     per-setting table.
@@ -251,12 +252,13 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     `grid` maps dotted keys to value lists, e.g. {"ppo.learning_rate": [3e-4, 1e-3]};
     `seeds` is the number of seeds from train.seed on (or give "train.seed": [...] in the grid).
     With `resume`, `config.run.dir` holds an earlier sweep of the same grid (`resume_sweep`
-    reads both); `stop_after_updates` stops with a checkpoint, as `train.run` does.
+    reads both); `stop_after_updates` stops with a checkpoint, as `train.run` does. `env` and
+    `torso` take your own environment and torso as objects, as `train.run` does.
     """
-    config = as_config(config)
+    config, objects = with_objects(as_config(config), env, torso)
     backend_warnings = distributed.start_backend(config)
     spec = SweepSpec({key: list(values) for key, values in (grid or {}).items()}, seeds, member_devices)
-    population = build_population(config, spec.grid, seeds, member_devices, devices)
+    population = build_population(config, spec.grid, seeds, member_devices, devices, objects)
     name = f"sweep-{population.config.env.id}"
     session = start_session(population, name, resume, stop_after_updates, backend_warnings)
     run_dir, progress, is_writer = session.run_dir, session.progress, jax.process_index() == 0
@@ -306,18 +308,18 @@ def _report(population: Experiment, result: SweepResult, progress: Progress) -> 
 
 
 def resume_sweep(run_dir: str, overrides: Sequence[str] = (), devices: Optional[Sequence[jax.Device]] = None,
-                 stop_after_updates: Optional[int] = None) -> SweepResult:
+                 stop_after_updates: Optional[int] = None, *, env: Any = None, torso: Any = None) -> SweepResult:
     """Continue the sweep in `run_dir` from its newest checkpoint, with its config.yaml and
-    sweep.json and the overrides a resume allows."""
-    return _resume(load_resume_config(run_dir, overrides), devices, stop_after_updates)
+    sweep.json and the overrides a resume allows (and the objects it was started with, if any)."""
+    return _resume(load_resume_config(run_dir, overrides), devices, stop_after_updates, env, torso)
 
 
-def _resume(config: Config, devices: Optional[Sequence[jax.Device]], stop_after_updates: Optional[int]
-            ) -> SweepResult:
+def _resume(config: Config, devices: Optional[Sequence[jax.Device]], stop_after_updates: Optional[int],
+            env: Any = None, torso: Any = None) -> SweepResult:
     """`resume_sweep` with the run directory's config read (`config.run.dir` names it)."""
     spec = read_spec(config.run.dir)
     return run_sweep(config, spec.grid, spec.seeds, spec.member_devices, devices, resume=True,
-                     stop_after_updates=stop_after_updates)
+                     stop_after_updates=stop_after_updates, env=env, torso=torso)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:

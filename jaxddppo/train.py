@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from dataclasses import replace
-from typing import Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 
@@ -24,11 +24,13 @@ from jaxddppo.experiment import build
 from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, summarise, train_experiment
 from jaxddppo.outputs import format_mean_std, write_json
 from jaxddppo.plot import save_learning_curve
+from jaxddppo.references import with_objects
 from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
 
 
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
-        resume: bool = False, stop_after_updates: Optional[int] = None) -> TrainResult:
+        resume: bool = False, stop_after_updates: Optional[int] = None, env: Any = None,
+        torso: Any = None) -> TrainResult:
     """Train with `config` (a Config, a nested dict or a YAML path), writing config.yaml,
     metrics.jsonl, checkpoints, summary.json and learning_curve.png (and TensorBoard
     events if asked) to the run dir.
@@ -37,10 +39,12 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     its newest intact checkpoint is restored and training continues from it.
     `stop_after_updates` stops (with a checkpoint) once that many updates are done in
     all. Joins a multi-process run first when `config.distributed` asks for one.
+    `env` and `torso` take your own environment and torso as objects, in place of
+    `env.id` and `network.torso` (docs/environments.md, docs/algorithm.md).
     """
-    config = as_config(config)
+    config, objects = with_objects(as_config(config), env, torso)
     backend_warnings = distributed.start_backend(config)
-    experiment = build(config, devices)
+    experiment = build(config, devices, objects)
     config, is_writer = experiment.config, jax.process_index() == 0
     session = start_session(experiment, config.env.id, resume, stop_after_updates, backend_warnings)
     run_dir, progress = session.run_dir, session.progress

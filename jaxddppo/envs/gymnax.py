@@ -24,36 +24,39 @@ def names() -> list[str]:
     return [env_id for env_id in gymnax.registered_envs if env_id not in UNSUPPORTED]
 
 
-def _obs_converter(space: Any) -> Callable[[Any], jax.Array]:
+def _obs_converter(space: Any) -> Callable[[Any], Any]:
+    """Discrete observations one-hot, Box ones float32; any other space's (a Dict, or a user's
+    environment without `observation_space`) as they are (`BatchedEnv` casts every leaf)."""
     from gymnax.environments import spaces
 
     if isinstance(space, spaces.Discrete):
         return lambda obs: jax.nn.one_hot(obs, space.n, dtype=jnp.float32)
     if isinstance(space, spaces.Box):
         return lambda obs: jnp.asarray(obs, jnp.float32)
-    raise ConfigError(f"observation space {type(space).__name__} is not supported (Box or Discrete only)")
+    return lambda obs: obs
+
+
+def _observation_space(env: Any, params: Any) -> Any:
+    try:
+        return env.observation_space(params)
+    except NotImplementedError:
+        return None
 
 
 class GymnaxCore:
-    """One gymnax environment: `reset_env` and `step_env` with its default parameters.
+    """One gymnax environment: its `reset_env` and `step_env` with `params`.
 
-    The time limit is gymnax's own (`is_truncated`); `params` may be replaced (e.g.
-    another `max_steps_in_episode`) before the core is used.
+    The time limit is gymnax's own (`is_truncated`, `params.max_steps_in_episode`).
     """
 
-    def __init__(self, name: str, env_id: str):
-        import gymnax
+    def __init__(self, env: Any, params: Any, env_id: str):
         from gymnax.environments import spaces
 
-        if name in UNSUPPORTED:
-            raise ConfigError(f"env.id={env_id!r} is not supported: {UNSUPPORTED[name]}")
-        if name not in gymnax.registered_envs:
-            raise ConfigError(f"env.id={env_id!r} is not a gymnax environment; valid ids: {', '.join(names())}")
-        self.env, self.params = gymnax.make(name)
-        self._to_obs = _obs_converter(self.env.observation_space(self.params))
-        action_space = self.env.action_space(self.params)
+        self.env, self.params = env, params
+        self._to_obs = _obs_converter(_observation_space(env, params))
+        action_space = env.action_space(params)
         common = {"env_id": env_id, "observation": observation_spec(self.reset),
-                  "max_episode_steps": int(self.params.max_steps_in_episode)}
+                  "max_episode_steps": int(getattr(params, "max_steps_in_episode", 0) or 0)}
         if isinstance(action_space, spaces.Discrete):
             self.spec = EnvSpec(discrete=True, num_actions=int(action_space.n), **common)
         elif isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
@@ -63,7 +66,8 @@ class GymnaxCore:
                                 action_low=tuple(float(v) for v in low),
                                 action_high=tuple(float(v) for v in high), **common)
         else:
-            raise ConfigError(f"env.id={env_id!r}: action space {action_space} is not supported")
+            raise ConfigError(f"env.id={env_id!r}: action space {action_space} is not supported (Discrete, or a "
+                              "1-D Box)")
 
     def reset(self, key: jax.Array) -> tuple[jax.Array, Any]:
         obs, state = self.env.reset_env(key, self.params)
@@ -77,4 +81,11 @@ class GymnaxCore:
 
 
 def make_core(name: str, env_id: str) -> GymnaxCore:
-    return GymnaxCore(name, env_id)
+    import gymnax
+
+    if name in UNSUPPORTED:
+        raise ConfigError(f"env.id={env_id!r} is not supported: {UNSUPPORTED[name]}")
+    if name not in gymnax.registered_envs:
+        raise ConfigError(f"env.id={env_id!r} is not a gymnax environment; valid ids: {', '.join(names())}")
+    env, params = gymnax.make(name)
+    return GymnaxCore(env, params, env_id)

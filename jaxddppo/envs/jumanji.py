@@ -99,16 +99,10 @@ def _field_converter(value: Any) -> Callable[[Any], jax.Array] | None:
 
 
 class JumanjiCore:
-    """One jumanji environment built by `jumanji.make(name)` with its default arguments."""
+    """One jumanji environment (a built-in id's `jumanji.make(name)`, or a user's own);
+    `episode_bound`: the most steps an episode without a `time_limit` takes (0: unknown)."""
 
-    def __init__(self, name: str, env_id: str):
-        import jumanji
-
-        if name in UNSUPPORTED:
-            raise ConfigError(f"env.id={env_id!r} is not supported: {UNSUPPORTED[name]}")
-        if name not in _registered():
-            raise ConfigError(f"env.id={env_id!r} is not a jumanji environment; valid names: {', '.join(names())}")
-        env = jumanji.make(name)
+    def __init__(self, env: Any, env_id: str, episode_bound: int = 0):
         problem = _action_problem(env)
         if problem is not None:
             raise ConfigError(f"env.id={env_id!r} is not supported: {problem}")
@@ -131,7 +125,7 @@ class JumanjiCore:
             observation=obs,
             discrete=True,
             num_actions=self.num_actions,
-            max_episode_steps=int(self.time_limit or (EPISODE_BOUND[name](env) if name in EPISODE_BOUND else 0)),
+            max_episode_steps=int(self.time_limit or episode_bound),
             action_mask_key=mask_key,
         )
 
@@ -160,4 +154,11 @@ class JumanjiCore:
 
 
 def make_core(name: str, env_id: str) -> JumanjiCore:
-    return JumanjiCore(name, env_id)
+    import jumanji
+
+    if name in UNSUPPORTED:
+        raise ConfigError(f"env.id={env_id!r} is not supported: {UNSUPPORTED[name]}")
+    if name not in _registered():
+        raise ConfigError(f"env.id={env_id!r} is not a jumanji environment; valid names: {', '.join(names())}")
+    env = jumanji.make(name)
+    return JumanjiCore(env, env_id, EPISODE_BOUND[name](env) if name in EPISODE_BOUND else 0)

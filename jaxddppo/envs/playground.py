@@ -89,25 +89,15 @@ def _fresh_containers(tree: Any) -> Any:
 
 
 class PlaygroundCore:
-    """One playground task built by `registry.load(name, config_overrides=...)`."""
+    """One playground environment (`MjxEnv`): a registered task's, or a user's own. Its
+    config's `episode_length` (and `action_repeat`, if any) set the time limit."""
 
-    def __init__(self, name: str, env_id: str):
-        from mujoco_playground import registry
-
-        suites = _suites()
-        every = [n for suite in suites.values() for n in suite]
-        if name not in every:
-            raise ConfigError(f"env.id={env_id!r} is not a MuJoCo Playground task; valid names: "
-                             f"{', '.join(names())}")
-        if name not in suites["dm_control_suite"] and not _menagerie_present():
-            raise ConfigError(
-                f"env.id={env_id!r} needs mujoco_menagerie on disk; fetch it once (git and network needed) with: "
-                f"python -c \"from mujoco_playground import registry; registry.load('{name}')\"")
-
-        config = registry.get_default_config(name)
-        pure_jax = "impl" in config and (jax.default_backend() == "cpu" or importlib.util.find_spec("warp") is None)
-        self.env = registry.load(name, config_overrides={"impl": "jax"} if pure_jax else None)
-        config = self.env._config  # the env's own (locked, overridden) config
+    def __init__(self, env: Any, env_id: str):
+        self.env = env
+        config = getattr(env, "_config", None)  # the env's own (locked, overridden) config
+        if config is None or "episode_length" not in config:
+            raise ConfigError(f"env.id={env_id!r}: the MuJoCo Playground environment has no episode_length in its "
+                              "config (MjxEnv.__init__(config) keeps it), which sets the time limit")
         self.episode_length = int(config.episode_length)
         self.action_repeat = int(config.get("action_repeat", 1) or 1)
         self.num_actions = int(self.env.action_size)
@@ -149,4 +139,17 @@ class PlaygroundCore:
 
 
 def make_core(name: str, env_id: str) -> PlaygroundCore:
-    return PlaygroundCore(name, env_id)
+    """A registered task, built by `registry.load(name, config_overrides=...)`."""
+    from mujoco_playground import registry
+
+    suites = _suites()
+    every = [n for suite in suites.values() for n in suite]
+    if name not in every:
+        raise ConfigError(f"env.id={env_id!r} is not a MuJoCo Playground task; valid names: {', '.join(names())}")
+    if name not in suites["dm_control_suite"] and not _menagerie_present():
+        raise ConfigError(
+            f"env.id={env_id!r} needs mujoco_menagerie on disk; fetch it once (git and network needed) with: "
+            f"python -c \"from mujoco_playground import registry; registry.load('{name}')\"")
+    config = registry.get_default_config(name)
+    pure_jax = "impl" in config and (jax.default_backend() == "cpu" or importlib.util.find_spec("warp") is None)
+    return PlaygroundCore(registry.load(name, config_overrides={"impl": "jax"} if pure_jax else None), env_id)
