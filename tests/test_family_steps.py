@@ -4,11 +4,13 @@ Marked `families`: CI runs these in a step of its own, after installing every fa
 extra (the main suite installs only xminigrid; a family not installed is skipped).
 """
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
 
-from jaxddppo.envs import FAMILIES, make_env
+from jaxddppo.envs import FAMILIES, make_core, make_env
 from jaxddppo.envs.base import random_actions, strongly_typed
 
 from conftest import FAMILY_IDS, family_installed
@@ -63,3 +65,27 @@ def test_a_family_steps_jitted_with_random_legal_actions(family):
     else:
         assert actions.shape == (NUM_STEPS, NUM_ENVS, spec.num_actions)
         assert ((np.asarray(spec.action_low) <= actions) & (actions <= np.asarray(spec.action_high))).all()
+
+
+@pytest.mark.families
+@pytest.mark.parametrize("family", ["jumanji", "playground"])
+def test_a_family_s_environment_object_steps_as_its_built_in_id(family):
+    """The built-in id's own environment object (a Jumanji `Environment`, a Playground `MjxEnv`),
+    given as a user's object, goes through the family's adapter and steps the same."""
+    if not family_installed(family):
+        pytest.skip(f"the {family} extra is not installed")
+    built_in = make_core(FAMILY_IDS[family])
+    given = make_core("<object>:Env", given=built_in.env)
+    assert type(given) is type(built_in) and given is not built_in
+    assert replace(given.spec, env_id=built_in.spec.env_id) == built_in.spec
+
+    def trajectory(core):
+        key = jax.random.key(1)
+        obs, state = core.reset(key)
+        action = random_actions(core.spec, key, jax.tree.map(lambda leaf: leaf[None], obs))[0]
+        outputs = (obs, jax.jit(core.step)(key, state, action))
+        return [np.asarray(jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+                           else leaf) for leaf in jax.tree.leaves(outputs)]
+
+    for ours, theirs in zip(trajectory(given), trajectory(built_in), strict=True):
+        np.testing.assert_array_equal(ours, theirs)

@@ -53,6 +53,11 @@ def eval_rows(run_dir: Path) -> list[tuple]:
             if row["eval_return_mean"] is not None]
 
 
+# The environment by reference (`module:attribute`, gymnax's CartPole class, the same bits as
+# CartPole-v1): every process imports it (tests/test_user_code.py has a user's own module).
+CARTPOLE_BY_REFERENCE = ["env.id=gymnax.environments.classic_control.cartpole:CartPole"]
+
+
 def test_two_processes_learn_what_one_process_learns(tmp_path):
     port = free_port()
     # The clocks of the checkpoint schedule disagree on purpose: process 0 finds a save due after
@@ -60,7 +65,8 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     save_every_seconds = ["checkpoint.every_seconds=1e-9", "checkpoint.every_seconds=0"]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, *PERIODIC_EVAL, f"run.dir={tmp_path / 'multi'}",
+            [sys.executable, "-m", "jaxddppo.train", *SMALL_RUN, *PERIODIC_EVAL, *CARTPOLE_BY_REFERENCE,
+             f"run.dir={tmp_path / 'multi'}",
              "debug.check_replicas=true", "run.cpu_devices=2", f"distributed.coordinator=127.0.0.1:{port}",
              "distributed.num_processes=2", f"distributed.process_id={process_id}",
              "distributed.init_timeout=120", save_every_seconds[process_id]],
@@ -85,7 +91,7 @@ def test_two_processes_learn_what_one_process_learns(tmp_path):
     assert [update for update, *_ in multi_evals] == [4, 8]
 
     # One process on one device, its 4 shards in turn: the same bits (train.exact_reductions).
-    config = load_config(SMALL_RUN[1], SMALL_RUN[2:] + PERIODIC_EVAL)
+    config = load_config(SMALL_RUN[1], SMALL_RUN[2:] + PERIODIC_EVAL + CARTPOLE_BY_REFERENCE)
     single = run(replace(config, run=replace(config.run, dir=str(tmp_path / "single"))), devices=jax.devices()[:1])
     assert summary["params_digest"] == single.summary["params_digest"]
     assert summary["eval_return_mean"] == single.summary["eval_return_mean"]
