@@ -5,7 +5,7 @@ cached in `sys.modules` can stand in for it) into its working directory and runs
 command on it in-process (`jaxddppo.train.main`, what `python -m jaxddppo.train` calls): exit
 2, one line on stderr naming the key, the value and the problem (an exception raised in the
 user's code with its type, message and `file:line` there), nothing compiled and no run
-directory. One case also runs as its own process.
+directory. One case also runs as its own process (a slow test).
 """
 
 from __future__ import annotations
@@ -453,6 +453,7 @@ def test_resuming_a_run_of_an_object_without_it_says_to_pass_it_again(
     assert (run_dir / "config.yaml").read_text() == stored
 
 
+@pytest.mark.slow  # the in-process cases run what the command runs; tests/test_cli.py has a real process
 def test_bad_reference_in_its_own_process_is_one_line_and_exit_2(tmp_path: Path):
     write_module(tmp_path, "own_process_env", "def make(size):\n    raise ValueError(f'size={size!r} refused')\n")
     completed = subprocess.run(
