@@ -150,8 +150,10 @@ def reference_of(obj: Any) -> Optional[str]:
 
 def config_value_of(obj: Any) -> str:
     """What config.yaml records for an object passed to the API: its reference, or an `<object>:` marker."""
+    from jaxddppo.envs import FAMILIES  # envs imports this module
+
     reference = reference_of(obj)
-    if reference is not None:
+    if reference is not None and reference.partition(":")[0] not in FAMILIES:  # `navix:X` would name the family
         return reference
     name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
     return f"{OBJECT_PREFIX}:{name.replace('<', '').replace('>', '')}"
