@@ -19,9 +19,12 @@ class ConfigError(ValueError):
     """Bad user input; the message is one line that names the key and the value."""
 
 
-def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None, reference: bool = False) -> Any:
-    """An option's field; `reference`: besides `choices`, the value may be `module:attribute`."""
-    metadata = {"help": help, "choices": choices, "reference": reference}
+def _opt(default: Any, help: str, choices: Optional[tuple[str, ...]] = None, reference: bool = False,
+         traced_bounds: Optional[tuple[float, float]] = None) -> Any:
+    """An option's field; `reference`: besides `choices`, the value may be `module:attribute`;
+    `traced_bounds`: a float the update takes traced (a sweep may vary it, PBT may change it),
+    and the interval PBT keeps it in."""
+    metadata = {"help": help, "choices": choices, "reference": reference, "traced_bounds": traced_bounds}
     if isinstance(default, (list, tuple)):
         return field(default_factory=lambda: tuple(default), metadata=metadata)
     if isinstance(default, dict):
@@ -105,16 +108,16 @@ class PPOConfig:
     num_steps: int = _opt(128, "rollout length: environment steps per env between updates")
     num_epochs: int = _opt(4, "passes over each rollout")
     num_minibatches: int = _opt(4, "minibatches per epoch (each one global: all shards together)")
-    learning_rate: float = _opt(2.5e-4, "Adam learning rate (initial value when annealed)")
+    learning_rate: float = _opt(2.5e-4, "Adam learning rate (initial value when annealed)", traced_bounds=(1e-7, 1.0))
     anneal_lr: bool = _opt(True, "anneal the learning rate linearly to 0 over the whole run")
-    adam_eps: float = _opt(1e-5, "Adam epsilon")
-    gamma: float = _opt(0.99, "discount factor")
-    gae_lambda: float = _opt(0.95, "GAE lambda")
-    clip_eps: float = _opt(0.2, "PPO ratio clip range")
+    adam_eps: float = _opt(1e-5, "Adam epsilon", traced_bounds=(1e-10, 1.0))
+    gamma: float = _opt(0.99, "discount factor", traced_bounds=(0.0, 0.9999))
+    gae_lambda: float = _opt(0.95, "GAE lambda", traced_bounds=(0.0, 0.9999))
+    clip_eps: float = _opt(0.2, "PPO ratio clip range", traced_bounds=(1e-3, 1.0))
     clip_value: bool = _opt(True, "clip the value update to clip_eps around the rollout values")
-    vf_coef: float = _opt(0.5, "value loss coefficient")
-    ent_coef: float = _opt(0.01, "entropy bonus coefficient")
-    max_grad_norm: float = _opt(0.5, "global-norm gradient clipping threshold")
+    vf_coef: float = _opt(0.5, "value loss coefficient", traced_bounds=(0.0, 100.0))
+    ent_coef: float = _opt(0.01, "entropy bonus coefficient", traced_bounds=(0.0, 1.0))
+    max_grad_norm: float = _opt(0.5, "global-norm gradient clipping threshold", traced_bounds=(1e-3, 1e3))
     normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
 
 
@@ -362,8 +365,13 @@ def validate(config: Config) -> None:
            list(config.network.cnn_channels), "widths must be positive")
 
 
-# The keys `pbt.keys` may name: the float hyperparameters, which the update takes traced.
-PBT_KEYS = tuple(f"ppo.{fld.name}" for fld in dataclasses.fields(PPOConfig) if fld.type == "float")
+# The update's traced hyperparameters, declared by `traced_bounds` on their PPOConfig fields: the
+# keys a sweep may vary and `pbt.keys` may name, with the interval PBT clips each into, inside its
+# valid range and away from the values that break the update (a discount or lambda of 1 on a run
+# without ends, a zero clip range, learning rate, Adam epsilon or gradient norm).
+TRACED_BOUNDS: dict[str, tuple[float, float]] = {
+    fld.name: fld.metadata["traced_bounds"] for fld in dataclasses.fields(PPOConfig) if fld.metadata["traced_bounds"]}
+TRACED_KEYS = tuple(f"ppo.{name}" for name in TRACED_BOUNDS)
 
 
 def _validate_pbt(config: PBTConfig) -> None:
@@ -374,7 +382,7 @@ def _validate_pbt(config: PBTConfig) -> None:
     _check(0 <= config.resample_probability <= 1, "pbt.resample_probability", config.resample_probability,
            "must be in [0, 1]")
     for key in config.keys:
-        _check(key in PBT_KEYS, "pbt.keys", list(config.keys), f"{key} is not one of {', '.join(PBT_KEYS)}")
+        _check(key in TRACED_KEYS, "pbt.keys", list(config.keys), f"{key} is not one of {', '.join(TRACED_KEYS)}")
     _check(len(set(config.keys)) == len(config.keys), "pbt.keys", list(config.keys), "names a key twice")
 
 

@@ -167,6 +167,20 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
     layer = _with_cpu_tuning(_load_yaml(path), path)
     stored = _load(layer, path, ())
     resumed = _load(layer, path, overrides)
+    _refuse_algorithm_changes(stored, resumed)
+    if stored.run.dir != resumed.run.dir:
+        raise ConfigError(f"run.dir={resumed.run.dir!r} cannot be set on resume: the run directory is {run_dir}")
+    return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
+
+
+def check_resume(config: Config) -> None:
+    """Refuses `config` as the continuation of the run in `config.run.dir` where it changes
+    a key that is not resumable: what `load_resume_config` refuses in overrides, for a
+    config given whole (the Python API's `resume=True`)."""
+    _refuse_algorithm_changes(load_resume_config(config.run.dir), config)
+
+
+def _refuse_algorithm_changes(stored: Config, resumed: Config) -> None:
     before, after = _flat(to_dict(stored)), _flat(to_dict(resumed))
     for key in [*before, *(key for key in after if key not in before)]:  # env.kwargs' keys may come or go
         if before.get(key) != after.get(key) and key != "run.dir" and not is_resumable(key):
@@ -174,9 +188,6 @@ def load_resume_config(run_dir: str, overrides: Iterable[str] = ()) -> Config:
                 f"{key}={after.get(key)!r} cannot change on resume (the run has {before.get(key)!r}): it would change "
                 f"the algorithm mid-run; a resume may change {', '.join(RESUMABLE_KEYS)}"
             )
-    if before["run.dir"] != after["run.dir"]:
-        raise ConfigError(f"run.dir={after['run.dir']!r} cannot be set on resume: the run directory is {run_dir}")
-    return dataclasses.replace(resumed, run=dataclasses.replace(resumed.run, dir=run_dir))
 
 
 def _with_cpu_tuning(layer: Any, path: str) -> Any:

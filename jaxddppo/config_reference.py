@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from jaxddppo.config import RESUMABLE_KEYS, Config
 
@@ -37,9 +37,16 @@ def options(config_type: type = Config, prefix: str = "") -> list[OptionInfo]:
         if dataclasses.is_dataclass(value):
             result.extend(options(type(value), f"{prefix}{fld.name}."))
         else:
-            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, fld.metadata["help"],
+            result.append(OptionInfo(f"{prefix}{fld.name}", _type_name(fld.type), value, _help(fld.metadata),
                                      fld.metadata["choices"], fld.metadata["reference"]))
     return result
+
+
+def _help(metadata: Mapping[str, Any]) -> str:
+    if metadata["traced_bounds"] is None:
+        return metadata["help"]
+    low, high = metadata["traced_bounds"]
+    return f"{metadata['help']} (traced: a sweep may vary it; PBT keeps it in [{low:g}, {high:g}])"
 
 
 def help_text() -> str:

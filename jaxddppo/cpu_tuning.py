@@ -5,8 +5,8 @@
 records the resolved value, so a resume draws what the run drew on any backend. On, it
 turns on what XLA's CPU backend runs or compiles faster written another way, each kept
 because it pays on this project's large config (timings: docs/benchmarks.md, CPU
-tuning); results differ from the plain path's in the last bits (the shuffle: in its
-random orders), not in the algorithm:
+tuning). Results differ from the plain path's beyond the last bits, through the shuffle's
+other random orders (the rest changes the last bits only); the algorithm is the same:
 
 - `sort_permutations` draws the epochs' minibatch orders instead of
   `jax.random.permutation`. JAX shuffles by sorting (random key, index) pairs, and XLA's

@@ -25,6 +25,7 @@ from jaxddppo.checkpoint import (
 )
 from jaxddppo.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
 from jaxddppo.config import ConfigError
+from jaxddppo.config_files import check_resume
 from jaxddppo.experiment import Experiment, Programs, compile_programs, update_count
 from jaxddppo.outputs import (
     PBT_FILE,
@@ -233,9 +234,11 @@ class Session:
 def start_session(experiment: Experiment, name: str, resume: bool, stop_after_updates: Optional[int],
                   warnings: Sequence[str]) -> Session:
     """Claim a run directory (default `runs/<name>-<timestamp>`) and write config.yaml into
-    it, or take the resumed run's; open the progress output over every member's steps and
-    say what trains where, with `warnings`."""
+    it, or take the resumed run's (refusing a config that changes its algorithm); open the
+    progress output over every member's steps and say what trains where, with `warnings`."""
     config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
+    if resume:
+        check_resume(config)
     run_dir = config.run.dir if resume else shared_run_dir(config, name)
     if is_writer and not resume:
         write_config(run_dir, config)

@@ -13,27 +13,23 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxddppo.config import PPOConfig
+from jaxddppo.config import TRACED_BOUNDS, PPOConfig
 from jaxddppo.networks import ActorCritic, unroll
 from jaxddppo.shards import DeviceShards
 
 
-@struct.dataclass
-class PPOHyperparams:
-    """The float hyperparameters, traced (so a sweep can vmap over them)."""
+def _hyperparams_from_config(cls: type, config: PPOConfig) -> Any:
+    return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in TRACED_BOUNDS})
 
-    learning_rate: jax.Array
-    gamma: jax.Array
-    gae_lambda: jax.Array
-    clip_eps: jax.Array
-    vf_coef: jax.Array
-    ent_coef: jax.Array
-    max_grad_norm: jax.Array
-    adam_eps: jax.Array
 
-    @classmethod
-    def from_config(cls, config: PPOConfig) -> "PPOHyperparams":
-        return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in cls.__dataclass_fields__})
+# The update's float hyperparameters, traced (so that a sweep can vmap over them and PBT change
+# them): one float32 array each, named as config.py declares them (TRACED_BOUNDS), so that a new
+# one is declared there alone. `PPOHyperparams.from_config(config.ppo)` makes one.
+PPOHyperparams = struct.dataclass(type("PPOHyperparams", (), {
+    "__module__": __name__,
+    "__annotations__": {name: jax.Array for name in TRACED_BOUNDS},
+    "from_config": classmethod(_hyperparams_from_config),
+}))
 
 
 @struct.dataclass

@@ -217,7 +217,7 @@ class Progress:
     def update(self, env_steps: int, steps_per_second: float, episode_return: Optional[float]) -> None:
         if not self._enabled:
             return
-        shown_return = "n/a" if episode_return is None else f"{episode_return:.1f}"
+        shown_return = "n/a" if episode_return is None else format_return(episode_return)
         if self._bar is not None:
             self._bar.update(env_steps - self._bar.n)
             self._bar.set_postfix_str(f"{steps_per_second:,.0f} steps/s, return {shown_return}")

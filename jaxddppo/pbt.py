@@ -22,23 +22,9 @@ import numpy as np
 from flax import struct
 
 from jaxddppo import shards
-from jaxddppo.config import PBTConfig
+from jaxddppo.config import TRACED_BOUNDS, PBTConfig
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.ppo import TrainState
-
-# Where a perturbed or resampled hyperparameter is clipped: inside each key's valid range,
-# away from the values that break the update (a discount or lambda of 1 on a run without
-# ends, a zero clip range, learning rate, Adam epsilon or gradient norm).
-BOUNDS: dict[str, tuple[float, float]] = {
-    "learning_rate": (1e-7, 1.0),
-    "adam_eps": (1e-10, 1.0),
-    "gamma": (0.0, 0.9999),
-    "gae_lambda": (0.0, 0.9999),
-    "clip_eps": (1e-3, 1.0),
-    "vf_coef": (0.0, 100.0),
-    "ent_coef": (0.0, 1.0),
-    "max_grad_norm": (1e-3, 1e3),
-}
 
 
 @dataclass(frozen=True)
@@ -154,7 +140,7 @@ def decide(settings: PBTSettings, fitness: jax.Array, hyperparams: PPOHyperparam
     `hyperparams` (leaves [N]): each of the bottom `num_losers` takes a top member drawn
     at random, and each of `settings.keys` of that member's hyperparameters is drawn from
     the key's grid values with `resample_probability`, else multiplied by a factor drawn
-    from `perturb`; then clipped to `BOUNDS`. The others keep theirs."""
+    from `perturb`; then clipped to `TRACED_BOUNDS`. The others keep theirs."""
     order = ranking(fitness)
     num_members, num_losers = settings.num_members, settings.num_losers
     winners, losers = order[:num_losers], order[num_members - num_losers:]
@@ -180,7 +166,7 @@ def explore(settings: PBTSettings, index: int, key: jax.Array, value: jax.Array)
     perturbed = value * factors[jax.random.randint(key_factor, (), 0, len(settings.perturb))]
     resampled = grid[jax.random.randint(key_value, (), 0, len(settings.grid_values[index]))]
     chosen = jnp.where(jax.random.uniform(key_resample) < settings.resample_probability, resampled, perturbed)
-    low, high = BOUNDS[settings.keys[index]]
+    low, high = TRACED_BOUNDS[settings.keys[index]]
     return jnp.clip(chosen, low, high)
 
 

@@ -16,18 +16,15 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.config import Config, ConfigError
+from jaxddppo.config import TRACED_KEYS, Config, ConfigError
 from jaxddppo.config_files import with_overrides
 from jaxddppo.config_reference import options
 from jaxddppo.experiment import Experiment, Member, assemble
-from jaxddppo.loss import PPOHyperparams
 from jaxddppo.references import UserObjects
 from jaxddppo.topology import make_topology, place_population
 
 SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
 
-# Keys a grid may vary: the traced float hyperparameters, and the seed.
-SWEEPABLE_KEYS: tuple[str, ...] = tuple(f"ppo.{name}" for name in PPOHyperparams.__dataclass_fields__)
 SEED_KEY = "train.seed"
 
 
@@ -42,10 +39,10 @@ def check_grid_keys(config: Config, grid: Mapping[str, Sequence[Any]]) -> None:
     for key, values in grid.items():
         if key not in known:
             with_overrides(config, {key: None})  # raises the config's own unknown-key message
-        if key not in SWEEPABLE_KEYS and key != SEED_KEY:
+        if key not in TRACED_KEYS and key != SEED_KEY:
             raise ConfigError(
                 f"{key}={list(values)!r} cannot be swept: {key} is structural (it changes array shapes or the "
-                f"compiled program); a sweep varies only {', '.join(SWEEPABLE_KEYS)} and {SEED_KEY} (or --seeds); "
+                f"compiled program); a sweep varies only {', '.join(TRACED_KEYS)} and {SEED_KEY} (or --seeds); "
                 f"run one sweep per value of {key}"
             )
         if len(values) == 0:

@@ -10,9 +10,9 @@ index, so the results do not depend on how shards map to devices, bit for bit.
 
 A sweep's population adds a leading member axis, `MEMBER_AXIS`; members communicate only
 for population-based training (`all_members`, `local_members`, `copy_members`).
-Other modules never name an axis: they call `DeviceShards`' methods. The update
-(`ppo.py`), the normalisers and the evaluation need this module alone; the mesh and the
-compile wrapper are `sharding.py`'s.
+The update (`ppo.py`), the normalisers and the evaluation never name an axis: they call
+`DeviceShards`' methods and need this module alone. The mesh over these axes and the
+compile wrapper are `sharding.py`'s; the host loop and the sweep read the mesh's shape.
 """
 
 from __future__ import annotations

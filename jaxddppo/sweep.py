@@ -28,7 +28,7 @@ from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
 from jaxddppo.compile_cache import use_compilation_cache
-from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError
+from jaxddppo.config import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
 from jaxddppo.config_files import as_config, load_config, load_resume_config
 from jaxddppo.config_reference import help_text
 from jaxddppo.experiment import Experiment
@@ -38,7 +38,6 @@ from jaxddppo.plot import PBT_CURVES_FILE, SWEEP_CURVES_FILE, plot_pbt, plot_swe
 from jaxddppo.population import (
     SEED_KEY,
     SPEC_FILE,
-    SWEEPABLE_KEYS,
     SweepSpec,
     build_population,
     expand_members,
@@ -327,7 +326,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         prog="python -m jaxddppo.sweep",
         description="Train a grid of hyperparameters x seeds as one population over every device. "
         "A list value, section.key=[v1,v2], sweeps that key; other section.key=value items override the "
-        f"config of every member. Sweepable keys: {', '.join(SWEEPABLE_KEYS)}, {SEED_KEY}. Results: "
+        f"config of every member. Sweepable keys: {', '.join(TRACED_KEYS)}, {SEED_KEY}. Results: "
         "sweep.csv, metrics.jsonl (with a member column), curves.png, summary.json, checkpoints/ in run.dir; "
         "--resume continues a sweep from its newest checkpoint. Exit codes: 0 done, 1 failed (non-finite numbers, "
         f"distributed errors), 2 bad input, {STORAGE_EXIT_CODE} storage error (fix it, then resume), "

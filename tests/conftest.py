@@ -1,9 +1,11 @@
 """Four simulated CPU devices for every test process (set before JAX is imported); a PNG check."""
 
+import contextlib
 import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,8 @@ def family_installed(family: str) -> bool:
     from jaxddppo.envs import FAMILIES
 
     return importlib.util.find_spec(FAMILIES[family].package) is not None
+
+
 _CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
 
 
@@ -68,6 +72,46 @@ def xla_pool_threads_named() -> bool:
     import jax
 
     return jax.__version_info__ >= (0, 8)
+
+
+# The stages of a jitted call that misses jit's caches, as JAX reports them through the public
+# jax.monitoring (under these names in every JAX CI runs, 0.7.2 to 0.11): tracing the function,
+# lowering it to MLIR and compiling it (or loading it from the persistent compilation cache:
+# reported as a compile all the same).
+_JIT_STAGES = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+}
+_jit_stages_seen: list[tuple[str, str]] = []
+_listening_for_jit_stages = False
+
+
+def _record_jit_stage(event: str, _seconds: float, fun_name: str = "?", **_) -> None:
+    stage = _JIT_STAGES.get(event)
+    if stage is not None:
+        _jit_stages_seen.append((stage, str(fun_name)))
+
+
+@contextlib.contextmanager
+def jit_stages() -> Iterator[list[tuple[str, str]]]:
+    """The jit stages run inside the block, as (stage, function name) pairs in order, stage
+    "trace", "lower" or "compile"; the list fills when the block ends. A call that JAX serves
+    from its caches runs none: `with jit_stages() as stages: f(x)` then `assert stages == []`
+    checks that the call did not recompile. (jax.monitoring cannot take a listener back in
+    every JAX CI runs, so one listener, registered on first use, serves the whole process.)"""
+    global _listening_for_jit_stages
+    if not _listening_for_jit_stages:
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(_record_jit_stage)
+        _listening_for_jit_stages = True
+    start = len(_jit_stages_seen)
+    stages: list[tuple[str, str]] = []
+    try:
+        yield stages
+    finally:
+        stages.extend(_jit_stages_seen[start:])
 
 
 def host_leaves(tree) -> list[np.ndarray]:

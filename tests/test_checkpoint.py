@@ -24,7 +24,7 @@ from jaxddppo import checkpoint, sharding
 from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.chunk_metrics import NonFiniteError
 from jaxddppo.config import ConfigError
-from jaxddppo.config_files import load_config, load_resume_config
+from jaxddppo.config_files import load_config, load_resume_config, with_overrides
 from jaxddppo.envs.resets import take_pending
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.experiment import Experiment, all_finite, build, compile_programs, update_count
@@ -112,6 +112,16 @@ def test_resume_refuses_algorithm_changes_and_accepts_safe_ones(one_go):
         load_resume_config("/nonexistent")
     config = load_resume_config(one_go.run_dir, ["train.total_env_steps=4096", "checkpoint.keep=5"])
     assert config.train.total_env_steps == 4096 and config.checkpoint.keep == 5
+
+
+def test_the_api_refuses_algorithm_changes_on_resume_and_keeps_config_yaml(one_go):
+    """`run(config, resume=True)` with a whole config, as the command refuses an override."""
+    stored = Path(one_go.run_dir) / "config.yaml"
+    before = stored.read_bytes()
+    changed = with_overrides(load_resume_config(one_go.run_dir), {"ppo.learning_rate": 0.1})
+    with pytest.raises(ConfigError, match=r"^ppo\.learning_rate=0\.1 cannot change on resume \(the run has 0\.00025\)"):
+        run(changed, resume=True)
+    assert stored.read_bytes() == before
 
 
 def test_config_yaml_records_the_resolved_cpu_switch_and_older_runs_resume_with_theirs(one_go, tmp_path):
@@ -323,10 +333,11 @@ def test_non_finite_loss_stops_without_touching_the_last_good_checkpoint(tmp_pat
     run_dir = tmp_path / "run"
     run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
     saved = sorted(os.listdir(run_dir / "checkpoints"))
-    explosive = small_config(run_dir, ppo={"learning_rate": 1e38})
+    stored = run_dir / "config.yaml"  # a run whose learning rate makes its fifth update explode
+    stored.write_text(stored.read_text().replace("learning_rate: 0.00025", "learning_rate: 1.0e+38"))
     with pytest.raises(NonFiniteError, match=r"^non-finite \w+ at update 5; stopped without saving it; "
                                              r"the newest checkpoint, .*/checkpoints/4, is intact$"):
-        run(explosive, devices=jax.devices()[:4], resume=True)
+        run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
     assert sorted(os.listdir(run_dir / "checkpoints")) == saved
     policy = load_policy(str(run_dir))
     assert policy.counters.update == 4

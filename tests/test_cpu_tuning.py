@@ -5,6 +5,9 @@ Dense product has Dense's forward pass and the gradients of a float64 NumPy refe
 train command splits the CPU into one device per core only as far as the run's sizes allow."""
 
 import collections
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import itertools
 import math
 
@@ -266,6 +269,7 @@ def test_the_train_command_splits_the_cpu_as_far_as_the_sizes_allow(overrides, c
 
 def test_a_split_into_one_device_leaves_the_config_alone(monkeypatch):
     monkeypatch.setattr(cpu_tuning, "backend_started", lambda: False)
+    monkeypatch.setattr(cpu_tuning, "accelerator_plugin_installed", lambda: False)
     config = from_dict(SPLIT_BASE)
     assert with_cpu_devices(config, 1, {}) is config
     assert with_cpu_devices(config, 2, {}).run.cpu_devices == 2
@@ -279,5 +283,24 @@ def test_the_cpu_is_left_alone_where_jax_would_start_on_an_accelerator(monkeypat
     assert with_cpu_devices(config, 2, environ).run.cpu_devices == (0 if expected == 1 else 2)
 
 
-def test_no_accelerator_plugin_is_installed_for_the_cpu_tests():
-    assert not cpu_tuning.accelerator_plugin_installed()
+@pytest.mark.parametrize("entry_points, libtpu, namespace_modules, found", [
+    ([], False, None, False),
+    ([], False, [], False),  # an empty namespace package
+    (["cuda12"], False, None, True),
+    ([], True, None, True),
+    ([], False, ["xla_cuda12"], True),
+])
+def test_an_accelerator_plugin_is_found_where_jax_looks(monkeypatch, tmp_path, entry_points, libtpu,
+                                                       namespace_modules, found):
+    namespace = None
+    if namespace_modules is not None:
+        for name in namespace_modules:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "__init__.py").write_text("")
+        namespace = importlib.machinery.ModuleSpec("jax_plugins", None, is_package=True)
+        namespace.submodule_search_locations = [str(tmp_path)]
+    specs = {"libtpu": importlib.machinery.ModuleSpec("libtpu", None) if libtpu else None, "jax_plugins": namespace}
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group: entry_points if group == "jax_plugins" else [])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: specs[name])
+    assert cpu_tuning.accelerator_plugin_installed() == found

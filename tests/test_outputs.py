@@ -7,6 +7,7 @@
   reader) equal metrics.jsonl; its learning_curve.png is a real image.
 """
 
+import io
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from jaxddppo.config import ConfigError
 from jaxddppo.config_files import from_dict
 from jaxddppo.eval_episodes import evaluate_policy
 from jaxddppo.experiment import build
-from jaxddppo.outputs import METRIC_FIELDS
+from jaxddppo.outputs import METRIC_FIELDS, Progress
 from jaxddppo.train import run
 
 # Per-shard sums, an all-reduce, then a scale: float32 reduction order only.
@@ -160,3 +161,12 @@ def test_run_ends_with_a_learning_curve_png(logged_run, assert_real_png):
     _, result, _ = logged_run
     assert_real_png(Path(result.run_dir) / "learning_curve.png")
 
+
+
+@pytest.mark.parametrize("episode_return, shown", [(0.958, "0.958"), (487.25, "487.2"), (-3.5, "-3.500"), (None, "n/a")])
+def test_progress_lines_show_returns_as_the_summary_does(episode_return, shown):
+    """MiniGrid's 0.958 is not rounded to 1.0; CartPole's returns keep one decimal."""
+    stream = io.StringIO()
+    progress = Progress(1000, enabled=True, stream=stream)
+    progress.update(500, 1234.0, episode_return)
+    assert stream.getvalue() == f"[ 50.0%] env steps 500/1,000 | 1,234 steps/s | episode return {shown}\n"

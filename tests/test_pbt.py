@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 import subprocess
@@ -27,7 +28,7 @@ from conftest import PNG_SIGNATURE, host_leaves, subprocess_env
 
 import jaxddppo
 from jaxddppo import pbt, sharding
-from jaxddppo.config import ConfigError, PBTConfig
+from jaxddppo.config import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
 from jaxddppo.config_files import from_dict, with_overrides
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.sweep import resume_sweep
@@ -129,15 +130,15 @@ def test_exploit_copies_exactly_the_winners_state():
 @pytest.mark.parametrize("resample_probability", [0.0, 0.5, 1.0])
 def test_perturbation_stays_inside_the_bounds(resample_probability):
     """Values at and beyond every key's bounds, perturbed 200 times: each new value is the
-    copied value times a factor, or a grid value, clipped to BOUNDS; keys PBT leaves alone
+    copied value times a factor, or a grid value, clipped to TRACED_BOUNDS; keys PBT leaves alone
     are the copied member's."""
     num_members = 8
     extremes = {name: [low, high, low * 0.5, high * 2.0 + 1.0, (low + high) / 2] * 2 for name, (low, high)
-                in pbt.BOUNDS.items()}
+                in TRACED_BOUNDS.items()}
     values = {name: [float(v) for v in extreme[:num_members]] for name, extreme in extremes.items()}
     hyperparams = hyperparams_of(values)
-    the_settings = settings(num_members, quantile=0.5, keys=tuple(pbt.BOUNDS), reported=tuple(pbt.BOUNDS),
-                            grid_values=tuple((0.1, 0.9) for _ in pbt.BOUNDS), perturb=(0.5, 3.0),
+    the_settings = settings(num_members, quantile=0.5, keys=tuple(TRACED_BOUNDS), reported=tuple(TRACED_BOUNDS),
+                            grid_values=tuple((0.1, 0.9) for _ in TRACED_BOUNDS), perturb=(0.5, 3.0),
                             resample_probability=resample_probability)
     decide = jax.jit(lambda fitness, key: pbt.decide(the_settings, fitness, hyperparams, key))
     fitness = jnp.arange(num_members, dtype=jnp.float32)
@@ -146,7 +147,7 @@ def test_perturbation_stays_inside_the_bounds(resample_probability):
         source = np.asarray(decision.source)
         np.testing.assert_array_equal(source[4:], np.arange(4, 8))  # the winners keep their own
         assert set(source[:4].tolist()) <= {4, 5, 6, 7}
-        for name, (low, high) in pbt.BOUNDS.items():
+        for name, (low, high) in TRACED_BOUNDS.items():
             new = np.asarray(getattr(decision.hyperparams, name))
             copied = np.asarray(getattr(hyperparams, name))[source]
             assert np.all((new[:4] >= np.float32(low)) & (new[:4] <= np.float32(high))), (name, new)
@@ -160,8 +161,16 @@ def test_perturbation_stays_inside_the_bounds(resample_probability):
             np.testing.assert_array_equal(new[4:], copied[4:])
 
 
-def test_bounds_name_every_float_hyperparameter():
-    assert set(pbt.BOUNDS) == set(NAMES)
+def test_every_float_of_the_update_is_traced_with_bounds_that_pbt_keys_accepts():
+    """One declaration (config.py's `traced_bounds`) gives the keys of a grid, of `pbt.keys`,
+    of PPOHyperparams and of PBT's clipping: a float option without one would be neither
+    sweepable nor explorable, where it once passed `pbt.keys` and failed inside PBT."""
+    floats = [fld.name for fld in dataclasses.fields(PPOConfig) if fld.type == "float"]
+    assert list(TRACED_BOUNDS) == floats and NAMES == tuple(floats)
+    every_key = with_overrides(from_dict(SMALL), {"pbt.keys": [f"ppo.{name}" for name in floats]})
+    assert every_key.pbt.keys == TRACED_KEYS
+    with pytest.raises(ConfigError, match=r"ppo\.num_epochs is not one of ppo\.learning_rate, ppo\.adam_eps"):
+        with_overrides(from_dict(SMALL), {"pbt.keys": ["ppo.num_epochs"]})
 
 
 # --- a PBT sweep end to end ----------------------------------------------------------------------

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, host_leaves, subprocess_env, xla_pool_threads_named
+from conftest import REPO_ROOT, host_leaves, jit_stages, subprocess_env, xla_pool_threads_named
 
 from jaxddppo import cpu_tuning, distributed, sharding, shards, topology
 from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig
@@ -130,15 +130,18 @@ def invariance_config():
 
 @pytest.fixture(scope="module")
 def runs_by_device_count():
-    """Two chunks of three updates with num_shards=4 on 1, 2 and 4 devices."""
+    """Two chunks of three updates with num_shards=4 on 1, 2 and 4 devices, and the jit
+    stages (conftest.jit_stages) each chunk ran."""
     results = {}
     for num_devices in (1, 2, 4):
         experiment = build(invariance_config(), jax.devices()[:num_devices])
         state = experiment.init_state()
         learn, inputs, three = experiment.learn_fn(), experiment.shard_inputs(), update_count(experiment.mesh, 3)
-        state, _, _ = learn(state, inputs, three)
-        state, metrics, _ = learn(state, inputs, three)
-        results[num_devices] = (experiment, state, metrics, learn)
+        with jit_stages() as first_chunk:
+            state, _, _ = learn(state, inputs, three)
+        with jit_stages() as second_chunk:
+            state, metrics, _ = learn(state, inputs, three)
+        results[num_devices] = (experiment, state, metrics, (first_chunk, second_chunk))
     return results
 
 
@@ -232,14 +235,15 @@ def test_eight_shards_learn_the_same_bits_on_eight_devices_as_on_one(tmp_path):
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
 def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_devices):
-    experiment, state, _, learn = runs_by_device_count[num_devices]
+    experiment, state, _, (first_chunk, second_chunk) = runs_by_device_count[num_devices]
     distributed.check_replicas(state.params, experiment.mesh, after_update=6)
     distributed.check_replicas(state.opt_state, experiment.mesh, after_update=6)
     assert np.asarray(state.update_index).tolist() == [6, 6, 6, 6]
     observations = sharding.all_shards(state.rollout.obs)
     for other in range(1, 4):
         assert not np.array_equal(observations[0], observations[other])
-    assert learn._cache_size() == 1, "the second chunk recompiled"
+    assert "compile" in {stage for stage, _ in first_chunk}, first_chunk  # what a recompilation reports
+    assert second_chunk == [], f"the second chunk recompiled: {second_chunk}"
 
 
 def test_params_leave_their_initial_values(runs_by_device_count):
@@ -262,10 +266,14 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
 
     inputs = experiment.shard_inputs()
     scanned, scan_metrics = sharding.shard_parallel(scan_updates, experiment.mesh)(experiment.init_state(), inputs)
-    learn = experiment.learn_fn()
-    state, first_metrics, _ = learn(experiment.init_state(), inputs, update_count(experiment.mesh, 2))
-    state, second_metrics, _ = learn(state, inputs, update_count(experiment.mesh, 1))
-    assert learn._cache_size() == 1
+    learn, initial, two, one = (experiment.learn_fn(), experiment.init_state(), update_count(experiment.mesh, 2),
+                                update_count(experiment.mesh, 1))
+    with jit_stages() as first_chunk:
+        state, first_metrics, _ = learn(initial, inputs, two)
+    with jit_stages() as second_chunk:
+        state, second_metrics, _ = learn(state, inputs, one)
+    assert "compile" in {stage for stage, _ in first_chunk}, first_chunk
+    assert second_chunk == [], f"the chunk of 1 update recompiled the program of 3: {second_chunk}"
     for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
         np.testing.assert_array_equal(got, want)
     first, second, reference = (sharding.first_shard(metrics) for metrics in (first_metrics, second_metrics, scan_metrics))
