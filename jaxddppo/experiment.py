@@ -22,6 +22,7 @@ from jaxddppo.config import Config, ConfigError
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy_program
 from jaxddppo.loss import PPOHyperparams
+from jaxddppo.minibatches import random_permutations
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
 from jaxddppo.references import UserObjects
@@ -257,10 +258,33 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
         mesh=mesh,
         env=env,
         network=make_actor_critic(config.network, env.spec,
-                                  dense_gradient="cpu_transposed" if cpu_tuning.is_on(config) else "autodiff",
-                                  torso=objects.torso),
-        settings=UpdateSettings.from_config(config, topology),
+                                  cpu_tuning.dense_dot_general if cpu_tuning.is_on(config) else None,
+                                  objects.torso),
+        settings=update_settings(config, topology),
         pbt=pbt_settings,
+    )
+
+
+def update_settings(config: Config, topology: Topology) -> UpdateSettings:
+    """The update's static choices and one shard's sizes; with the CPU switch on, its shuffle."""
+    ppo = config.ppo
+    return UpdateSettings(
+        num_steps=ppo.num_steps,
+        num_epochs=ppo.num_epochs,
+        num_minibatches=ppo.num_minibatches,
+        minibatch_size=topology.minibatch_size_per_shard,
+        num_shards=topology.num_shards,
+        num_updates=topology.num_updates,
+        clip_value=ppo.clip_value,
+        normalize_advantages=ppo.normalize_advantages,
+        anneal_lr=ppo.anneal_lr,
+        num_envs=topology.num_envs_per_shard,
+        recurrent=config.network.recurrent is not None,
+        critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
+        normalize_observations=config.env.normalize_observations,
+        scale_rewards=config.env.scale_rewards,
+        permutations=cpu_tuning.sort_permutations if cpu_tuning.is_on(config) else random_permutations,
+        exact_reductions=config.train.exact_reductions,
     )
 
 

@@ -3,21 +3,26 @@ flat batch (feed-forward) or as whole environment sequences (recurrent), each ep
 random order, and the samples of one minibatch.
 
 What the update needs of its static settings is `Minibatching`; `ppo.UpdateSettings`
-gives it as `settings.minibatching`.
+gives it as `settings.minibatching`. Each epoch's order is drawn by `random_permutations`,
+or by the function given in its place (the CPU switch gives `cpu_tuning.sort_permutations`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxddppo import cpu_tuning
 from jaxddppo.loss import Batch, SequenceObs, normalize_minibatch_advantages
 from jaxddppo.rollout import Transition
 from jaxddppo.shards import DeviceShards
+
+
+def random_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Array:
+    """[num_permutations, n]: random orders of range(n), one per key split from `key`."""
+    return jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, num_permutations))
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,7 @@ class Minibatching:
     num_minibatches: int
     minibatch_size: int  # samples per minibatch, feed-forward
     num_envs: int  # environments per shard: a recurrent minibatch takes whole sequences of some
-    shuffle: str = "jax"  # jax, or cpu_sorts with run.cpu_tuning on
+    permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations  # (key, epochs, n)
 
 
 def merge_time_and_batch(tree: Any) -> Any:
@@ -78,11 +83,8 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 
 
 def epoch_permutations(key: jax.Array, num_items: int, sizes: Minibatching) -> jax.Array:
-    """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch, drawn as
-    `sizes.shuffle` says."""
-    if sizes.shuffle == "cpu_sorts":
-        return cpu_tuning.sort_permutations(key, sizes.num_epochs, num_items)
-    return jax.vmap(lambda k: jax.random.permutation(k, num_items))(jax.random.split(key, sizes.num_epochs))
+    """[num_epochs, num_items]: a fresh random order of range(num_items) per epoch."""
+    return sizes.permutations(key, sizes.num_epochs, num_items)
 
 
 def minibatch_indices(key: jax.Array, sizes: Minibatching) -> jax.Array:

@@ -94,7 +94,8 @@ def build_population(config: Config, grid: Mapping[str, Sequence[Any]], num_seed
     members = [replace(member, config=with_shards(member.config)) for member in members]
     topology = make_topology(config, num_devices=placement.shard_devices,
                                       num_processes=jax.process_count())
-    return assemble(config, members, sharding.make_population_mesh(placement, devices), topology, objects)
+    mesh = sharding.make_population_mesh(placement.member_devices, placement.shard_devices, devices)
+    return assemble(config, members, mesh, topology, objects)
 
 
 def swept_keys(population: Experiment) -> list[str]:

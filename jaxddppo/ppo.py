@@ -20,8 +20,6 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxddppo import cpu_tuning
-from jaxddppo.config import Config
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
 from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, loss_apply_fn, mean_gradients, normalize_minibatch_advantages
@@ -30,6 +28,7 @@ from jaxddppo.minibatches import (
     flatten_rollout,
     merge_time_and_batch,
     minibatch_indices,
+    random_permutations,
     sequence_advantages,
     sequence_batch,
     sequence_indices,
@@ -47,7 +46,6 @@ from jaxddppo.normalization import (
 )
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
 from jaxddppo.shards import DeviceShards, copies, one_copy
-from jaxddppo.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -68,30 +66,8 @@ class UpdateSettings:
     critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
-    minibatch_shuffle: str = "jax"  # jax, or cpu_sorts with run.cpu_tuning on
+    permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations  # draws the epochs' orders
     exact_reductions: bool = True  # train.exact_reductions
-
-    @classmethod
-    def from_config(cls, config: Config, topology: Topology) -> "UpdateSettings":
-        ppo = config.ppo
-        return cls(
-            num_steps=ppo.num_steps,
-            num_epochs=ppo.num_epochs,
-            num_minibatches=ppo.num_minibatches,
-            minibatch_size=topology.minibatch_size_per_shard,
-            num_shards=topology.num_shards,
-            num_updates=topology.num_updates,
-            clip_value=ppo.clip_value,
-            normalize_advantages=ppo.normalize_advantages,
-            anneal_lr=ppo.anneal_lr,
-            num_envs=topology.num_envs_per_shard,
-            recurrent=config.network.recurrent is not None,
-            critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
-            normalize_observations=config.env.normalize_observations,
-            scale_rewards=config.env.scale_rewards,
-            minibatch_shuffle="cpu_sorts" if cpu_tuning.is_on(config) else "jax",
-            exact_reductions=config.train.exact_reductions,
-        )
 
     @property
     def sgd_steps_per_update(self) -> int:
@@ -101,7 +77,7 @@ class UpdateSettings:
     def minibatching(self) -> Minibatching:
         return Minibatching(
             num_epochs=self.num_epochs, num_minibatches=self.num_minibatches,
-            minibatch_size=self.minibatch_size, num_envs=self.num_envs, shuffle=self.minibatch_shuffle,
+            minibatch_size=self.minibatch_size, num_envs=self.num_envs, permutations=self.permutations,
         )
 
     @property

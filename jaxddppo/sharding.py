@@ -21,7 +21,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxddppo.shards import DEVICE_AXIS, MEMBER_AXIS, DeviceShards, as_words, over_leading_axis
-from jaxddppo.topology import Placement
 
 
 def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -130,11 +129,11 @@ def _without_zero_sized_operands(per_device: Callable, mesh: Mesh, in_specs: tup
     return mapped
 
 
-def make_population_mesh(placement: Placement, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-    """A (member, device) mesh: each row holds whole members, a row's devices split their shards."""
-    grid = np.asarray(jax.devices() if devices is None else devices).reshape(
-        placement.member_devices, placement.shard_devices
-    )
+def make_population_mesh(member_devices: int, shard_devices: int,
+                         devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A (member, device) mesh of `member_devices` rows and `shard_devices` columns: each row
+    holds whole members, a row's devices split their shards."""
+    grid = np.asarray(jax.devices() if devices is None else devices).reshape(member_devices, shard_devices)
     return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
 
 

@@ -21,7 +21,7 @@ from jaxddppo import cpu_tuning
 from jaxddppo.config_files import from_dict, with_overrides
 from jaxddppo.cpu_tuning import (compiler_options, cpu_devices_for_run, dense_dot_general, is_on, resolve,
                                  sort_permutations, with_cpu_devices)
-from jaxddppo.minibatches import Minibatching, minibatch_indices, sequence_indices
+from jaxddppo.minibatches import Minibatching, minibatch_indices, random_permutations, sequence_indices
 
 
 def reference_permutations(key: jax.Array, num_permutations: int, n: int) -> np.ndarray:
@@ -63,9 +63,9 @@ def test_sort_permutations_draw_every_order_equally_often():
     assert all(abs(count - expected) < 150 for count in counts.values()), counts
 
 
-@pytest.mark.parametrize("shuffle", ["jax", "cpu_sorts"])
-def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
-    sizes = Minibatching(num_epochs=3, num_minibatches=4, minibatch_size=16, num_envs=8, shuffle=shuffle)
+@pytest.mark.parametrize("permutations", [random_permutations, sort_permutations])
+def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(permutations):
+    sizes = Minibatching(num_epochs=3, num_minibatches=4, minibatch_size=16, num_envs=8, permutations=permutations)
     key = jax.random.key(5)
     samples = np.asarray(minibatch_indices(key, sizes)).reshape(3, -1)
     sequences = np.asarray(sequence_indices(key, sizes)).reshape(3, -1)
@@ -73,7 +73,7 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(shuffle):
         for epoch in epochs:
             np.testing.assert_array_equal(np.sort(epoch), np.arange(size))
         assert not np.array_equal(epochs[0], epochs[1])
-    if shuffle == "cpu_sorts":
+    if permutations is sort_permutations:
         np.testing.assert_array_equal(samples, sort_permutations(key, 3, 64))
     else:
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
@@ -98,7 +98,7 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     experiment.compile_programs(plain)
     assert asked == []
     tuned = experiment.build(with_overrides(config, {"run.cpu_tuning": "auto"}), jax.devices()[:1])
-    assert tuned.config.run.cpu_tuning == "on" and tuned.settings.minibatch_shuffle == "cpu_sorts"
+    assert tuned.config.run.cpu_tuning == "on" and tuned.settings.permutations is sort_permutations
     tuned_programs = experiment.compile_programs(tuned)
     assert sorted(asked) == [("cpu", False), ("cpu", False), ("cpu", True)]  # the chunk, the checksums; the init
     want = plain.init_state()
@@ -223,8 +223,8 @@ def test_the_switchs_dense_gradient_changes_gradients_only_in_the_last_bits():
 
     spec = make_env("CartPole-v1").spec
     obs = jax.random.normal(jax.random.key(1), (32, *spec.observation.shape))
-    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), spec, dense_gradient=gradient)
-                for gradient in ("autodiff", "cpu_transposed")]
+    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), spec, dot_general)
+                for dot_general in (None, dense_dot_general)]
     params = [network.init(jax.random.key(0), obs) for network in networks]
     for got, want in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[0]), strict=True):
         np.testing.assert_array_equal(got, want)

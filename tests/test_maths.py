@@ -24,11 +24,12 @@ import pytest
 
 from jaxddppo import sharding, shards
 from jaxddppo.config import ConfigError, NetworkConfig
+from jaxddppo.cpu_tuning import sort_permutations
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.envs.resets import take_pending
 from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo.minibatches import minibatch_indices
+from jaxddppo.minibatches import minibatch_indices, random_permutations
 from jaxddppo.ppo import UpdateSettings, optimizer_state, run_epochs
 from jaxddppo.rollout import gae
 
@@ -472,8 +473,8 @@ def clipped_adam_reference(params, batch, minibatches, learning_rate, max_grad_n
     return params, norms
 
 
-@pytest.mark.parametrize("minibatch_shuffle", ["jax", "cpu_sorts"])
-def test_minibatch_steps_are_clipped_adam_over_every_parameter(minibatch_shuffle):
+@pytest.mark.parametrize("permutations", [random_permutations, sort_permutations])
+def test_minibatch_steps_are_clipped_adam_over_every_parameter(permutations):
     """`run_epochs` against leaf-by-leaf float64 Adam after global-norm clipping: 2 epochs x 2 minibatches of the loss problem, some
     steps clipped and some not; in the minibatch orders of either shuffle (run.cpu_tuning off and on)."""
     params, batch_np = make_loss_problem()
@@ -485,7 +486,7 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(minibatch_shuffle
         num_steps=8, num_epochs=2, num_minibatches=2, minibatch_size=4, num_shards=1, num_updates=1,
         clip_value=True, normalize_advantages=False, anneal_lr=False, num_envs=1, recurrent=False,
         critic_after_steps=False, normalize_observations=False, scale_rewards=False,
-        minibatch_shuffle=minibatch_shuffle,
+        permutations=permutations,
     )
     key = jax.random.key(3)
     jparams = jax.tree.map(jnp.asarray, params)

@@ -32,7 +32,6 @@ from jaxddppo.config import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, 
 from jaxddppo.config_files import from_dict, with_overrides
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.sweep import resume_sweep
-from jaxddppo.topology import Placement
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMES = tuple(PPOHyperparams.__dataclass_fields__)
@@ -85,7 +84,7 @@ def test_exploit_copies_exactly_the_winners_state():
     record names who copied whom. No member's state is gathered: the program's all-gathers
     (fitness, hyperparameters) hold one value per member."""
     num_members, num_shards = 4, 2
-    mesh = sharding.make_population_mesh(Placement(num_members, num_shards, 2, 2), jax.devices()[:4])
+    mesh = sharding.make_population_mesh(2, 2, jax.devices()[:4])
     rng = np.random.default_rng(0)
     params = rng.normal(size=(num_members, 3, 5)).astype(np.float32)
     params[2, 0, :2] = [-0.0, np.uint32(0x7FC0_1234).view(np.float32)]
