@@ -59,8 +59,8 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
     import jax
 
     from jaxddppo import sharding
-    from jaxddppo.config_files import load_config, with_overrides
-    from jaxddppo.experiment import build, update_count
+    from jaxddppo.config.files import load_config, with_overrides
+    from jaxddppo.training.experiment import build, update_count
 
     config = with_overrides(load_config(config_path), {**LARGE_OVERRIDES, "train.exact_reductions": exact})
     experiment = build(config)

@@ -37,8 +37,8 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxddppo import cpu_tuning
-from jaxddppo.config import START_STATES
+from jaxddppo.config.options import START_STATES
+from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.envs import BatchedEnv, batch_size, make_env
 from jaxddppo.envs.base import float_observation, random_actions, strongly_typed
 

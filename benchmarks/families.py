@@ -32,11 +32,23 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from bench import (EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, OneLineParser, REPO_ROOT, cpu_description,
-                   env_rates_command, importing, machine_description, output_tail, read_cpuinfo, run_process,
-                   steady_state, versions_of)
+from bench import (
+    EXIT_BAD_ARGUMENTS,
+    EXIT_TRIAL_FAILED,
+    REPO_ROOT,
+    OneLineParser,
+    cpu_description,
+    env_rates_command,
+    importing,
+    machine_description,
+    output_tail,
+    read_cpuinfo,
+    run_process,
+    steady_state,
+    versions_of,
+)
 
-from jaxddppo.config_files import load_config
+from jaxddppo.config.files import load_config
 
 DEVICE_COUNTS = (1, 2)
 PACKAGES = ("jax", "jaxlib", "flax", "gymnax", "navix", "xminigrid", "jumanji", "craftax", "playground", "mujoco-mjx")

@@ -37,11 +37,11 @@ def population(every_updates: int, devices: int, hidden_size: Optional[int]) -> 
     """(experiment, compiled programs, initial state) of benchmarks/pbt.py's population;
     with `hidden_size`, its MLPs that wide."""
     import jax
-
     import pbt as pbt_benchmark
-    from jaxddppo.config_files import load_config
-    from jaxddppo.experiment import compile_programs
-    from jaxddppo.population import build_population
+
+    from jaxddppo.config.files import load_config
+    from jaxddppo.training.experiment import compile_programs
+    from jaxddppo.training.population import build_population
 
     overrides = [*pbt_benchmark.OVERRIDES, f"pbt.every_updates={every_updates}", f"train.updates_per_chunk={CHUNK}"]
     if hidden_size is not None:
@@ -63,7 +63,7 @@ def chunk_seconds(experiment: Any, programs: Any, initial: Any) -> float:
     """One chunk of CHUNK updates from a copy of `initial` (the program donates its state)."""
     import jax
 
-    from jaxddppo.experiment import update_count
+    from jaxddppo.training.experiment import update_count
 
     state = jax.tree.map(lambda leaf: leaf.copy(), initial)
     jax.block_until_ready(state)

@@ -40,11 +40,26 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import yaml
+from bench import (
+    CPU_DEVICE_COUNT_FLAG,
+    EXIT_BAD_ARGUMENTS,
+    EXIT_TRIAL_FAILED,
+    REPO_ROOT,
+    BenchError,
+    OneLineParser,
+    cpu_description,
+    importing,
+    machine_description,
+    names,
+    output_tail,
+    read_cpuinfo,
+    revision,
+    run_process,
+    steady_state,
+    versions_of,
+)
 
-from bench import (CPU_DEVICE_COUNT_FLAG, EXIT_BAD_ARGUMENTS, EXIT_TRIAL_FAILED, BenchError, OneLineParser,
-                   REPO_ROOT, cpu_description, importing, machine_description, names, output_tail, read_cpuinfo,
-                   revision, run_process, steady_state, versions_of)
-from jaxddppo.config import START_STATES
+from jaxddppo.config.options import START_STATES
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 BRAX_PEER_SCRIPT = BENCHMARKS_DIR / "brax_peer.py"

@@ -76,12 +76,12 @@ def main() -> None:
 
     # The jaxddppo of the checkout this script is in, whichever one is installed.
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from jaxddppo import distributed
-    from jaxddppo.config_files import load_config
-    from jaxddppo.experiment import abstract_update_count, build, update_count
+    from jaxddppo.config.files import load_config
+    from jaxddppo.distributed import multiprocess
+    from jaxddppo.training.experiment import abstract_update_count, build, update_count
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
-    for warning in distributed.start_backend(config):
+    for warning in multiprocess.start_backend(config):
         print(warning)
     start = time.perf_counter()
     experiment = build(config)

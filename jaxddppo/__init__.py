@@ -13,8 +13,8 @@ The commands are `python -m jaxddppo.train` and `python -m jaxddppo.sweep`.
 import importlib
 from typing import Any
 
-from jaxddppo.config import Config, ConfigError
-from jaxddppo.config_files import from_dict, load_config, with_overrides
+from jaxddppo.config.files import from_dict, load_config, with_overrides
+from jaxddppo.config.options import Config, ConfigError
 
 __version__ = "0.1.0"
 __all__ = [
@@ -23,7 +23,7 @@ __all__ = [
 
 # Imported on first use: importing jaxddppo.train here would make `python -m jaxddppo.train`
 # warn (runpy), and JAX need not start for a config to be built.
-_LAZY_FUNCTIONS = {"run": "jaxddppo.train", "run_sweep": "jaxddppo.sweep", "load_policy": "jaxddppo.policy"}
+_LAZY_FUNCTIONS = {"run": "jaxddppo.train", "run_sweep": "jaxddppo.sweep", "load_policy": "jaxddppo.outputs.policy"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,15 +19,15 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from jaxddppo.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.cli import OneLineParser
-from jaxddppo.compile_cache import use_compilation_cache
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import load_resume_config
-from jaxddppo.eval_episodes import EvalResult, evaluate_policy_program
-from jaxddppo.experiment import build, final_eval_key
-from jaxddppo.policy import Policy, load_policy
-from jaxddppo.population import SPEC_FILE, build_population, read_spec
+from jaxddppo.config.files import load_resume_config
+from jaxddppo.config.options import ConfigError
+from jaxddppo.outputs.policy import Policy, load_policy
+from jaxddppo.training.checkpoint import Checkpointer, CheckpointError
+from jaxddppo.training.compile_cache import use_compilation_cache
+from jaxddppo.training.eval_episodes import EvalResult, evaluate_policy_program
+from jaxddppo.training.experiment import build, final_eval_key
+from jaxddppo.training.population import SPEC_FILE, build_population, read_spec
 
 
 def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[int] = None) -> EvalResult:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxddppo.config import TRACED_BOUNDS, PPOConfig
+from jaxddppo.config.options import TRACED_BOUNDS, PPOConfig
 from jaxddppo.networks import ActorCritic, unroll
 from jaxddppo.shards import DeviceShards
 
@@ -23,7 +23,7 @@ def _hyperparams_from_config(cls: type, config: PPOConfig) -> Any:
 
 
 # The update's float hyperparameters, traced (so that a sweep can vmap over them and PBT change
-# them): one float32 array each, named as config.py declares them (TRACED_BOUNDS), so that a new
+# them): one float32 array each, named as config/options.py declares them (TRACED_BOUNDS), so that a new
 # one is declared there alone. `PPOHyperparams.from_config(config.ppo)` makes one.
 PPOHyperparams = struct.dataclass(type("PPOHyperparams", (), {
     "__module__": __name__,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import custom_batching
 
-from jaxddppo.config import ConfigError, NetworkConfig, is_reference
+from jaxddppo.config.options import ConfigError, NetworkConfig, is_reference
 from jaxddppo.envs import EnvSpec, batch_size
 from jaxddppo.normalization import RunningMoments, normalize
 from jaxddppo.references import article, call_user_code, resolve

@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 from jaxddppo.cli import OneLineParser
-from jaxddppo.outputs import PBT_FILE
+from jaxddppo.outputs.writers import PBT_FILE
 
 CURVE_FILE = "learning_curve.png"
 SWEEP_CURVES_FILE = "curves.png"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from jaxddppo.config import Config, ConfigError
+from jaxddppo.config.options import Config, ConfigError
 
 # The module part of an object's `env.id` / `network.torso` when it has no importable reference.
 OBJECT_PREFIX = "<object>"

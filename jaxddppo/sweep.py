@@ -8,7 +8,7 @@ over the members. Members are spread over a (member, device) mesh
 (`topology.place_population`); each member is a data-parallel DD-PPO run
 over its own shards and trains as the single run of its config would, through
 the run's own loop (`loop.train_experiment`: checkpoints, resume, preemption,
-NaN guard, periodic evaluation). `population.py` makes the members of a grid; this
+NaN guard, periodic evaluation). `training/population.py` makes the members of a grid; this
 module trains them and writes their results.
 """
 
@@ -24,18 +24,22 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo import sharding, shards
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
-from jaxddppo.compile_cache import use_compilation_cache
-from jaxddppo.config import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
-from jaxddppo.config_files import as_config, load_config, load_resume_config
-from jaxddppo.config_reference import help_text
-from jaxddppo.experiment import Experiment
-from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
-from jaxddppo.outputs import PBT_FILE, Progress, format_mean_std, format_return, json_safe, write_json
+from jaxddppo.config.files import as_config, load_config, load_resume_config
+from jaxddppo.config.options import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
+from jaxddppo.config.reference import help_text
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import multiprocess
+from jaxddppo.outputs.writers import PBT_FILE, Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import PBT_CURVES_FILE, SWEEP_CURVES_FILE, plot_pbt, plot_sweep, read_metrics
-from jaxddppo.population import (
+from jaxddppo.references import with_objects
+from jaxddppo.training import pbt
+from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo.training.compile_cache import use_compilation_cache
+from jaxddppo.training.experiment import Experiment
+from jaxddppo.training.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
+from jaxddppo.training.population import (
     SEED_KEY,
     SPEC_FILE,
     SweepSpec,
@@ -45,8 +49,7 @@ from jaxddppo.population import (
     split_overrides,
     swept_keys,
 )
-from jaxddppo.references import with_objects
-from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
+from jaxddppo.training.storage import STORAGE_EXIT_CODE, one_line_result_faults
 
 RESUME_COMMAND = "python -m jaxddppo.sweep --resume"
 
@@ -255,7 +258,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     `torso` take your own environment and torso as objects, as `train.run` does.
     """
     config, objects = with_objects(as_config(config), env, torso)
-    backend_warnings = distributed.start_backend(config)
+    backend_warnings = multiprocess.start_backend(config)
     spec = SweepSpec({key: list(values) for key, values in (grid or {}).items()}, seeds, member_devices)
     population = build_population(config, spec.grid, seeds, member_devices, devices, objects)
     name = f"sweep-{population.config.env.id}"

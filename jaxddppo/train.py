@@ -1,6 +1,6 @@
 """Train: `python -m jaxddppo.train --config FILE [section.key=value ...]`, and `run`, its
 Python API: a single run, built (`experiment.build`) and trained by the host loop
-(`loop.py`), then evaluated and summarised.
+(`training/loop.py`), then evaluated and summarised.
 """
 
 from __future__ import annotations
@@ -13,19 +13,27 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
 
-from jaxddppo import cpu_tuning, distributed
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
-from jaxddppo.compile_cache import use_compilation_cache
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
-from jaxddppo.config import RESUMABLE_KEYS, Config
-from jaxddppo.config_files import as_config, load_config, load_resume_config
-from jaxddppo.config_reference import help_text
-from jaxddppo.experiment import build
-from jaxddppo.loop import TrainResult, command_exit_code, process_label, start_session, summarise, train_experiment
-from jaxddppo.outputs import format_mean_std, write_json
+from jaxddppo.config.files import as_config, load_config, load_resume_config
+from jaxddppo.config.options import RESUMABLE_KEYS, Config
+from jaxddppo.config.reference import help_text
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import multiprocess
+from jaxddppo.outputs.writers import format_mean_std, write_json
 from jaxddppo.plot import save_learning_curve
 from jaxddppo.references import with_objects
-from jaxddppo.storage import STORAGE_EXIT_CODE, one_line_result_faults
+from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo.training.compile_cache import use_compilation_cache
+from jaxddppo.training.experiment import build
+from jaxddppo.training.loop import (
+    TrainResult,
+    command_exit_code,
+    process_label,
+    start_session,
+    summarise,
+    train_experiment,
+)
+from jaxddppo.training.storage import STORAGE_EXIT_CODE, one_line_result_faults
 
 
 def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Device]] = None, *,
@@ -43,7 +51,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
     `env.id` and `network.torso` (docs/environments.md, docs/algorithm.md).
     """
     config, objects = with_objects(as_config(config), env, torso)
-    backend_warnings = distributed.start_backend(config)
+    backend_warnings = multiprocess.start_backend(config)
     experiment = build(config, devices, objects)
     config, is_writer = experiment.config, jax.process_index() == 0
     session = start_session(experiment, config.env.id, resume, stop_after_updates, backend_warnings)

@@ -140,7 +140,7 @@ SMALL_CHECKPOINTED_RUN = {
 
 def small_config(run_dir: Path, **sections: dict):
     """`SMALL_CHECKPOINTED_RUN` in `run_dir`, with `sections`' keys overriding or adding to it."""
-    from jaxddppo.config_files import from_dict
+    from jaxddppo.config.files import from_dict
 
     values = {name: dict(section) for name, section in SMALL_CHECKPOINTED_RUN.items()}
     for name, section in sections.items():

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 import pytest
 import yaml
-
 from conftest import REPO_ROOT, subprocess_env
+
 from jaxddppo import sharding, shards
-from jaxddppo.config_files import load_config
+from jaxddppo.config.files import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import bench  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
@@ -345,7 +345,7 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
 
 
 def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():
-    from jaxddppo import cpu_tuning
+    from jaxddppo.cpu import tuning as cpu_tuning
 
     result = env_rates.measure_rates("Pendulum-v1", 8, 5, rounds=1, steps_per_env=10)
     assert result["num_envs"] == 8 and result["steps_per_env"] == 10

@@ -20,19 +20,20 @@ import pytest
 import yaml
 from conftest import host_leaves, small_config, subprocess_env
 
-from jaxddppo import checkpoint, sharding
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
-from jaxddppo.chunk_metrics import NonFiniteError
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import load_config, load_resume_config, with_overrides
+from jaxddppo import sharding
+from jaxddppo.config.files import load_config, load_resume_config, with_overrides
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.resets import take_pending
 from jaxddppo.evaluate import evaluate, statistics
-from jaxddppo.experiment import Experiment, all_finite, build, compile_programs, update_count
-from jaxddppo.loop import chunk_plan
 from jaxddppo.normalization import normalize
-from jaxddppo.outputs import truncate_metrics
-from jaxddppo.policy import load_policy
+from jaxddppo.outputs.policy import load_policy
+from jaxddppo.outputs.writers import truncate_metrics
 from jaxddppo.train import run
+from jaxddppo.training import checkpoint
+from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
+from jaxddppo.training.chunk_metrics import NonFiniteError
+from jaxddppo.training.experiment import Experiment, all_finite, build, compile_programs, update_count
+from jaxddppo.training.loop import chunk_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,9 +27,9 @@ from typing import Optional
 import pytest
 from conftest import subprocess_env
 
-from jaxddppo.config_files import load_config
-from jaxddppo.config_reference import options
-from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
+from jaxddppo.config.files import load_config
+from jaxddppo.config.reference import options
+from jaxddppo.outputs.writers import METRIC_FIELDS, SUMMARY_FIELDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QUICK_TIMEOUT_S = 120  # a hang guard only; the failure cases take a few seconds
@@ -152,7 +152,7 @@ def test_help_lists_every_option_with_defaults(tmp_path: Path):
     assert "Traceback" not in result.stdout + result.stderr, result.describe()
     lines = result.stdout.splitlines()
     all_options = options()
-    assert all_options, "jaxddppo.config.options() is empty"
+    assert all_options, "jaxddppo.config.options.options() is empty"
     for opt in all_options:
         assert any(line.strip().startswith(opt.key + " ") for line in lines), f"--help does not list {opt.key}"
 

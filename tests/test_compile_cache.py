@@ -1,4 +1,4 @@
-"""The commands' compilation cache (`run.compilation_cache`, jaxddppo/compile_cache.py)."""
+"""The commands' compilation cache (`run.compilation_cache`, jaxddppo/training/compile_cache.py)."""
 
 import json
 import platform
@@ -7,12 +7,12 @@ import sys
 
 import jax
 import pytest
-
 from conftest import REPO_ROOT, subprocess_env
-from jaxddppo.compile_cache import MAX_CACHE_BYTES, MIN_COMPILE_SECONDS, machine_tag, use_compilation_cache
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import from_dict, load_config, to_yaml
+
+from jaxddppo.config.files import from_dict, load_config, to_yaml
+from jaxddppo.config.options import ConfigError
 from jaxddppo.train import main
+from jaxddppo.training.compile_cache import MAX_CACHE_BYTES, MIN_COMPILE_SECONDS, machine_tag, use_compilation_cache
 
 SETTINGS = ("jax_compilation_cache_dir", "jax_enable_compilation_cache", "jax_compilation_cache_max_size",
             "jax_persistent_cache_min_compile_time_secs")

@@ -1,4 +1,4 @@
-"""jaxddppo.cpu_tuning: run.cpu_tuning resolves auto by platform; its shuffle is a uniformly
+"""jaxddppo.cpu.tuning: run.cpu_tuning resolves auto by platform; its shuffle is a uniformly
 random permutation, drawn as the stable sorts it describes; its compiler options reach every
 program, start training from the same state and keep elementwise fusions from YNNPACK; its
 Dense product has Dense's forward pass and the gradients of a float64 NumPy reference; the
@@ -17,10 +17,17 @@ import numpy as np
 import pytest
 from conftest import host_leaves
 
-from jaxddppo import cpu_tuning
-from jaxddppo.config_files import from_dict, with_overrides
-from jaxddppo.cpu_tuning import (compiler_options, cpu_devices_for_run, dense_dot_general, is_on, resolve,
-                                 sort_permutations, with_cpu_devices)
+from jaxddppo.config.files import from_dict, with_overrides
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.cpu.tuning import (
+    compiler_options,
+    cpu_devices_for_run,
+    dense_dot_general,
+    is_on,
+    resolve,
+    sort_permutations,
+    with_cpu_devices,
+)
 from jaxddppo.minibatches import Minibatching, minibatch_indices, random_permutations, sequence_indices
 
 
@@ -83,8 +90,9 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     """run.cpu_tuning on: every program compiles with `compiler_options` for its platform,
     the initialisation as a program that runs once; it starts from the state the plain path
     starts from, but for the last bits."""
-    from jaxddppo import cpu_tuning, experiment
-    from jaxddppo.config_files import from_dict, with_overrides
+    from jaxddppo.config.files import from_dict, with_overrides
+    from jaxddppo.cpu import tuning as cpu_tuning
+    from jaxddppo.training import experiment
 
     config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
     plain = experiment.build(config, jax.devices()[:1])
@@ -111,14 +119,14 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     ("auto", "cpu", "on"), ("auto", "gpu", "off"), ("auto", "tpu", "off"), ("on", "gpu", "on"), ("off", "cpu", "off"),
 ])
 def test_the_cpu_switch_resolves_auto_by_platform(setting, platform, resolved):
-    from jaxddppo.config_files import from_dict
+    from jaxddppo.config.files import from_dict
 
     config = resolve(from_dict({"run": {"cpu_tuning": setting}}), platform)
     assert config.run.cpu_tuning == resolved and is_on(config) == (resolved == "on")
 
 
 def test_an_unresolved_switch_is_refused():
-    from jaxddppo.config_files import from_dict
+    from jaxddppo.config.files import from_dict
 
     with pytest.raises(ValueError, match="run.cpu_tuning=auto is decided by cpu_tuning.resolve"):
         is_on(from_dict({}))
@@ -217,7 +225,7 @@ def test_dense_dot_general_refuses_other_products(dimensions, options):
 def test_the_switchs_dense_gradient_changes_gradients_only_in_the_last_bits():
     """Dense kernel gradients from transposed inputs (run.cpu_tuning on): the same parameters and
     outputs, gradients within float32 rounding of autodiff's."""
-    from jaxddppo.config import NetworkConfig
+    from jaxddppo.config.options import NetworkConfig
     from jaxddppo.envs import make_env
     from jaxddppo.networks import make_actor_critic
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxddppo.config_reference import REFERENCE_COMMAND, reference_markdown
-from jaxddppo.outputs import METRIC_FIELDS, SUMMARY_FIELDS
+from jaxddppo.config.reference import REFERENCE_COMMAND, reference_markdown
+from jaxddppo.outputs.writers import METRIC_FIELDS, SUMMARY_FIELDS
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, SWEEP_SUMMARY_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo.config import NetworkConfig
-from jaxddppo.config_files import from_dict
+from jaxddppo.config.files import from_dict
+from jaxddppo.config.options import NetworkConfig
 from jaxddppo.envs import available_env_ids, make_env
-from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.training.experiment import build, update_count
 
 NUM_ENVS, NUM_STEPS = 3, 4
 
@@ -164,7 +164,7 @@ class Countdown:
 
 def test_evaluation_without_a_known_time_limit_runs_every_episode_to_its_end():
     from jaxddppo.envs import BatchedEnv
-    from jaxddppo.eval_episodes import evaluate_policy
+    from jaxddppo.training.eval_episodes import evaluate_policy
 
     env = BatchedEnv(Countdown())
     network = make_actor_critic(NetworkConfig(hidden_sizes=(4,)), env.spec)

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from conftest import FAMILY_IDS, family_installed, host_leaves
 
-from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import from_dict
+from jaxddppo.config.files import from_dict
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs import FAMILIES, available_env_ids, make_env, split_env_id
-from jaxddppo.experiment import Experiment, build, update_count
-from jaxddppo.policy import load_policy
-from jaxddppo.population import build_population
+from jaxddppo.outputs.policy import load_policy
 from jaxddppo.train import run
+from jaxddppo.training.checkpoint import Checkpointer, RunCounters
+from jaxddppo.training.experiment import Experiment, build, update_count
+from jaxddppo.training.population import build_population
 
 
 def test_a_bare_id_is_gymnax_and_a_prefixed_id_names_its_family():

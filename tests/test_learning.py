@@ -6,7 +6,7 @@ from pathlib import Path
 import jax
 
 import jaxddppo
-from jaxddppo.config_files import load_config
+from jaxddppo.config.files import load_config
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.train import run
 

@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding, shards
-from jaxddppo.config import ConfigError, NetworkConfig
-from jaxddppo.cpu_tuning import sort_permutations
+from jaxddppo.config.options import ConfigError, NetworkConfig
+from jaxddppo.cpu.tuning import sort_permutations
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.envs.resets import take_pending
 from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
-from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
 from jaxddppo.minibatches import minibatch_indices, random_permutations
+from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
 from jaxddppo.ppo import UpdateSettings, optimizer_state, run_epochs
 from jaxddppo.rollout import gae
 

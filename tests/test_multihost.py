@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 from conftest import flip_a_stored_bit, subprocess_env
 
-from jaxddppo import distributed, sharding
-from jaxddppo.config_files import load_config
-from jaxddppo.experiment import build
+from jaxddppo import sharding
+from jaxddppo.config.files import load_config
+from jaxddppo.distributed import multiprocess
 from jaxddppo.launch import OutputFacts, finished_before_exit_abort
 from jaxddppo.train import run
+from jaxddppo.training.experiment import build
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["--config", str(REPO_ROOT / "experiments" / "cartpole.yaml"), "env.num_envs=8",
@@ -126,7 +127,7 @@ def test_replica_check_passes_on_a_healthy_run(tmp_path):
 def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
     experiment = build(replica_config(tmp_path, True), jax.devices()[:2])
     params = experiment.init_state().params
-    distributed.check_replicas(params, experiment.mesh, after_update=0)
+    multiprocess.check_replicas(params, experiment.mesh, after_update=0)
 
     def perturb_shard_two(leaf):
         values = np.array(jax.device_get(leaf))
@@ -134,8 +135,8 @@ def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
         return jax.device_put(values, sharding.shard_sharding(experiment.mesh))
 
     perturbed = jax.tree.map(perturb_shard_two, params)
-    with pytest.raises(distributed.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
-        distributed.check_replicas(perturbed, experiment.mesh, after_update=7)
+    with pytest.raises(multiprocess.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
+        multiprocess.check_replicas(perturbed, experiment.mesh, after_update=7)
 
 
 def processes_mentioning(text: str) -> dict[int, str]:

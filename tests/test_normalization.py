@@ -18,11 +18,9 @@ import pytest
 from conftest import jit_stages
 
 from jaxddppo import sharding, shards
-from jaxddppo.config import NetworkConfig
-from jaxddppo.config_files import from_dict
+from jaxddppo.config.files import from_dict
+from jaxddppo.config.options import NetworkConfig
 from jaxddppo.envs import make_env
-from jaxddppo.eval_episodes import evaluate_policy
-from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import make_actor_critic, policy_step
 from jaxddppo.normalization import (
     OBS_CLIP,
@@ -34,6 +32,8 @@ from jaxddppo.normalization import (
 )
 from jaxddppo.ppo import scale_rollout_rewards
 from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.training.eval_episodes import evaluate_policy
+from jaxddppo.training.experiment import build, update_count
 
 NUM_SHARDS, NUM_ENVS, NUM_STEPS, NUM_ROLLOUTS, GAMMA = 4, 3, 24, 2, 0.9
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from jaxddppo import sharding
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import from_dict
-from jaxddppo.eval_episodes import evaluate_policy
-from jaxddppo.experiment import build
-from jaxddppo.outputs import METRIC_FIELDS, Progress
+from jaxddppo.config.files import from_dict
+from jaxddppo.config.options import ConfigError
+from jaxddppo.outputs.writers import METRIC_FIELDS, Progress
 from jaxddppo.train import run
+from jaxddppo.training.eval_episodes import evaluate_policy
+from jaxddppo.training.experiment import build
 
 # Per-shard sums, an all-reduce, then a scale: float32 reduction order only.
 EVAL_RTOL = 1e-6

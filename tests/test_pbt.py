@@ -27,11 +27,12 @@ import pytest
 from conftest import PNG_SIGNATURE, host_leaves, subprocess_env
 
 import jaxddppo
-from jaxddppo import pbt, sharding
-from jaxddppo.config import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
-from jaxddppo.config_files import from_dict, with_overrides
+from jaxddppo import sharding
+from jaxddppo.config.files import from_dict, with_overrides
+from jaxddppo.config.options import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.sweep import resume_sweep
+from jaxddppo.training import pbt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NAMES = tuple(PPOHyperparams.__dataclass_fields__)
@@ -161,7 +162,7 @@ def test_perturbation_stays_inside_the_bounds(resample_probability):
 
 
 def test_every_float_of_the_update_is_traced_with_bounds_that_pbt_keys_accepts():
-    """One declaration (config.py's `traced_bounds`) gives the keys of a grid, of `pbt.keys`,
+    """One declaration (config/options.py's `traced_bounds`) gives the keys of a grid, of `pbt.keys`,
     of PPOHyperparams and of PBT's clipping: a float option without one would be neither
     sweepable nor explorable, where it once passed `pbt.keys` and failed inside PBT."""
     floats = [fld.name for fld in dataclasses.fields(PPOConfig) if fld.type == "float"]

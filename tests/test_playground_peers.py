@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO_ROOT
-from jaxddppo.config_files import from_dict
+
+from jaxddppo.config.files import from_dict
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import brax_peer  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)

@@ -2,6 +2,7 @@
 and sweeping leave JAX and the process as they were, and the package uses public JAX only.
 """
 
+import ast
 import json
 import re
 import subprocess
@@ -36,7 +37,7 @@ def snapshot():
 
 before = snapshot()
 import jaxddppo
-modules = [importlib.import_module(f"jaxddppo.{info.name}") for info in pkgutil.iter_modules(jaxddppo.__path__)]
+modules = [importlib.import_module(info.name) for info in pkgutil.walk_packages(jaxddppo.__path__, "jaxddppo.")]
 after_import = snapshot()
 small = {"env": {"num_envs": 4}, "ppo": {"num_steps": 8, "num_epochs": 1, "num_minibatches": 2},
          "train": {"total_env_steps": 64}, "eval": {"num_episodes": 2}, "run": {"progress": False}}
@@ -107,11 +108,59 @@ def imported_modules(module: str) -> set[str]:
 
 
 def test_the_update_imports_the_shard_semantics_alone_and_a_policy_no_trainer():
-    mesh_and_start_up = {"jaxddppo.sharding", "jaxddppo.distributed", "jaxddppo.experiment", "jaxddppo.population"}
-    trainer = {"jaxddppo.loop", "jaxddppo.train", "jaxddppo.sweep", "jaxddppo.run_dir"}
-    for module in ("jaxddppo.ppo", "jaxddppo.normalization", "jaxddppo.eval_episodes"):
+    mesh_and_start_up = {"jaxddppo.sharding", "jaxddppo.distributed.multiprocess", "jaxddppo.training.experiment",
+                         "jaxddppo.training.population"}
+    trainer = {"jaxddppo.training.loop", "jaxddppo.train", "jaxddppo.sweep", "jaxddppo.outputs.run_dir"}
+    for module in ("jaxddppo.ppo", "jaxddppo.normalization", "jaxddppo.training.eval_episodes"):
         imported = imported_modules(module)
         assert "jaxddppo.shards" in imported and not imported & (mesh_and_start_up | trainer), (module, imported)
-    for module in ("jaxddppo.policy", "jaxddppo.evaluate"):
+    for module in ("jaxddppo.outputs.policy", "jaxddppo.evaluate"):
         imported = imported_modules(module)
-        assert "jaxddppo.experiment" in imported and not imported & trainer, (module, imported)
+        assert "jaxddppo.training.experiment" in imported and not imported & trainer, (module, imported)
+
+
+# The algorithm (design: the update, the rollout, the networks, the shard semantics and the
+# environments, with the modules they are built from) imports only itself and the options; the
+# options import nothing else of the package; what runs the algorithm (the subpackages) imports
+# no command. Lazy imports inside functions count.
+ALGORITHM = {"ppo", "rollout", "networks", "sharding", "loss", "minibatches", "shards", "normalization",
+             "references", "envs"}
+COMMANDS = {"train", "sweep", "evaluate", "plot", "launch", "cli"}
+MACHINERY = {"training", "outputs", "cpu", "distributed"}
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Each module of the package (dotted, without `jaxddppo.`) and the package's modules it
+    imports, at the top or inside a function."""
+    imports = {}
+    for path in sorted((REPO_ROOT / "jaxddppo").rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT / "jaxddppo").with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "jaxddppo":
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxddppo."):
+                names.add(node.module.removeprefix("jaxddppo."))
+            elif isinstance(node, ast.Import):
+                names.update(alias.name.removeprefix("jaxddppo.") for alias in node.names
+                             if alias.name.startswith("jaxddppo."))
+        imports[module] = names
+    return imports
+
+
+def test_the_algorithm_imports_no_machinery_and_the_machinery_no_command():
+    imports = package_imports()
+    assert {"ppo", "rollout", "networks", "sharding", "training.loop", "config.options"} <= set(imports)
+    wrong = []
+    for module, imported in imports.items():
+        top = module.split(".")[0]
+        for name in imported:
+            target = name.split(".")[0]
+            if top == "config" and target != "config":
+                wrong.append(f"the options import {name} ({module})")
+            elif top in ALGORITHM and target not in ALGORITHM | {"config"}:
+                wrong.append(f"the algorithm imports {name} ({module})")
+            elif top in MACHINERY and target in COMMANDS:
+                wrong.append(f"{module} imports the command module {name}")
+    assert wrong == []

@@ -21,15 +21,15 @@ import pytest
 from conftest import host_leaves
 
 from jaxddppo import sharding, shards
-from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import ConfigError, NetworkConfig
-from jaxddppo.config_files import from_dict
+from jaxddppo.config.files import from_dict
+from jaxddppo.config.options import ConfigError, NetworkConfig
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
-from jaxddppo.experiment import build, update_count
 from jaxddppo.networks import Categorical, make_actor_critic
 from jaxddppo.normalization import OBS_CLIP, init_observation_moments, normalize, update_moments
 from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.training.checkpoint import Checkpointer, RunCounters
+from jaxddppo.training.experiment import build, update_count
 
 NUM_ACTIONS, NUM_POSITIONS, TIME_LIMIT = 4, 10, 12
 

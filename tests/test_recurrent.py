@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding, shards, topology
-from jaxddppo.config import ConfigError, NetworkConfig, PPOConfig
-from jaxddppo.config_files import from_dict, load_config
+from jaxddppo import sharding, shards
+from jaxddppo.config.files import from_dict, load_config
+from jaxddppo.config.options import ConfigError, NetworkConfig, PPOConfig
+from jaxddppo.distributed import topology
 from jaxddppo.envs import make_env
 from jaxddppo.loss import Batch, PPOHyperparams, SequenceObs, loss_apply_fn, mean_gradients
-from jaxddppo.networks import make_actor_critic, policy_step, unroll
 from jaxddppo.minibatches import Minibatching, sequence_advantages, sequence_indices, take_sequences
+from jaxddppo.networks import make_actor_critic, policy_step, unroll
 from jaxddppo.rollout import RolloutState, collect_rollout
 from jaxddppo.train import run
 

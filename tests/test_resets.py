@@ -15,11 +15,17 @@ import numpy as np
 import pytest
 from jax.experimental import io_callback
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
-from jaxddppo.envs.resets import (ResetPool, branch_as_cond, branch_as_loop, take_pending, take_slot_states,
-                                  update_if_any)
+from jaxddppo.envs.resets import (
+    ResetPool,
+    branch_as_cond,
+    branch_as_loop,
+    take_pending,
+    take_slot_states,
+    update_if_any,
+)
 
 NUM_ENVS = 8
 

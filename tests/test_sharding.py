@@ -27,15 +27,17 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, jit_stages, subprocess_env, xla_pool_threads_named
 
-from jaxddppo import cpu_tuning, distributed, sharding, shards, topology
-from jaxddppo.config import Config, ConfigError, NetworkConfig, PPOConfig
-from jaxddppo.config_files import from_dict, load_config, with_overrides
+from jaxddppo import sharding, shards
+from jaxddppo.config.files import from_dict, load_config, with_overrides
+from jaxddppo.config.options import Config, ConfigError, NetworkConfig, PPOConfig
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import multiprocess, topology
 from jaxddppo.envs import make_env
-from jaxddppo.experiment import abstract_update_count, build, update_count
 from jaxddppo.loss import Batch, PPOHyperparams, mean_gradients, normalize_minibatch_advantages
 from jaxddppo.networks import make_actor_critic
 from jaxddppo.ppo import make_update
 from jaxddppo.train import run
+from jaxddppo.training.experiment import abstract_update_count, build, update_count
 
 # Same maths, different reduction order (per-shard means, then the all-reduce):
 # measured about 1e-7 relative L2 in float32.
@@ -93,7 +95,7 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
 
     split = jax.tree.map(lambda x: x.reshape((num_shards, shard_size) + x.shape[1:]), global_batch)
     grads, info = sharding.shard_parallel(per_device, mesh)(split)
-    distributed.check_replicas(grads, mesh, after_update=0)
+    multiprocess.check_replicas(grads, mesh, after_update=0)
     return sharding.first_shard(grads), sharding.all_shards(info)
 
 
@@ -236,8 +238,8 @@ def test_eight_shards_learn_the_same_bits_on_eight_devices_as_on_one(tmp_path):
 @pytest.mark.parametrize("num_devices", [1, 2, 4])
 def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_devices):
     experiment, state, _, (first_chunk, second_chunk) = runs_by_device_count[num_devices]
-    distributed.check_replicas(state.params, experiment.mesh, after_update=6)
-    distributed.check_replicas(state.opt_state, experiment.mesh, after_update=6)
+    multiprocess.check_replicas(state.params, experiment.mesh, after_update=6)
+    multiprocess.check_replicas(state.opt_state, experiment.mesh, after_update=6)
     assert np.asarray(state.update_index).tolist() == [6, 6, 6, 6]
     observations = sharding.all_shards(state.rollout.obs)
     for other in range(1, 4):
@@ -352,8 +354,9 @@ def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrid
 THREADS_SCRIPT = """
 import json, sys
 from profile_update import xla_cpu_pool_threads
-from jaxddppo import cpu_tuning, train
-from jaxddppo.config_files import from_dict
+from jaxddppo import train
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.config.files import from_dict
 
 result = train.run(from_dict(json.loads(sys.argv[1])))
 print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],

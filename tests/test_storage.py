@@ -18,13 +18,16 @@ import numpy as np
 import pytest
 from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_env
 
-from jaxddppo import checkpoint, outputs, sharding, sweep, train
-from jaxddppo.checkpoint import CheckpointDamaged, Checkpointer
-from jaxddppo.config_files import load_resume_config, to_yaml
-from jaxddppo.experiment import build
-from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
+from jaxddppo import sharding, sweep, train
+from jaxddppo.config.files import load_resume_config, to_yaml
+from jaxddppo.outputs import writers
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import run
+from jaxddppo.training import checkpoint
+from jaxddppo.training.checkpoint import CheckpointDamaged, Checkpointer
+from jaxddppo.training.experiment import build
+from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
+
 
 # As tests/test_checkpoint.py: 12 updates of 128 env steps, chunks of 4, a checkpoint every 4.
 def small_config_file(directory: Path, run_dir: Path, **sections: dict) -> list[str]:
@@ -68,8 +71,8 @@ def test_digest_sees_every_changed_bit_and_no_placement(one_go):
 
 def messages(monkeypatch) -> list[str]:
     """Every progress message of the runs that follow (the warnings among them)."""
-    shown, message = [], outputs.Progress.message
-    monkeypatch.setattr(outputs.Progress, "message", lambda self, text: (shown.append(text), message(self, text)))
+    shown, message = [], writers.Progress.message
+    monkeypatch.setattr(writers.Progress, "message", lambda self, text: (shown.append(text), message(self, text)))
     return shown
 
 
@@ -183,14 +186,14 @@ def test_a_failed_metrics_write_is_one_error(tmp_path, monkeypatch, sink, code):
     """A read-only, forbidden or vanished run directory met by metrics.jsonl, a full disk met
     by the TensorBoard events (injected: the tests run as root, whom chmod does not stop)."""
     run_dir = tmp_path / "run"
-    write_rows = getattr(outputs, sink).write
+    write_rows = getattr(writers, sink).write
 
     def write(self, rows):
         if rows[0]["update"] > 4:
             raise OSError(code, os.strerror(code))
         write_rows(self, rows)
 
-    monkeypatch.setattr(getattr(outputs, sink), "write", write)
+    monkeypatch.setattr(getattr(writers, sink), "write", write)
     with pytest.raises(StorageError) as raised:
         run(small_config(run_dir, run={"tensorboard": sink == "TensorBoardWriter"}), devices=jax.devices()[:1])
     assert str(raised.value).startswith(
@@ -201,7 +204,7 @@ def test_a_failed_metrics_write_is_one_error(tmp_path, monkeypatch, sink, code):
 def test_a_full_disk_while_writing_the_results_is_one_error_and_a_resume_writes_them(one_go, tmp_path,
                                                                                   monkeypatch):
     run_dir = tmp_path / "run"
-    write = outputs.write_json
+    write = writers.write_json
 
     def full_disk_for_the_summary(path, values):
         if os.path.basename(path) == "summary.json":
@@ -252,7 +255,7 @@ def test_storage_fault_reads_errors_of_python_and_of_tensorstore():
 
 INJECTED_CLI = """
 import errno, sys
-from jaxddppo.checkpoint import Checkpointer
+from jaxddppo.training.checkpoint import Checkpointer
 sys.path.insert(0, sys.argv[1])
 from test_storage import failing_save
 Checkpointer.save = failing_save(errno.ENOSPC, at_update=8)

@@ -31,15 +31,17 @@ from conftest import host_leaves, subprocess_env
 from matplotlib import image
 
 import jaxddppo
-from jaxddppo import cpu_tuning, sharding, topology
-from jaxddppo.checkpoint import PREEMPTED_EXIT_CODE
-from jaxddppo.chunk_metrics import NonFiniteError
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import from_dict, with_overrides
-from jaxddppo.experiment import Experiment
-from jaxddppo.population import expand_members, split_overrides
+from jaxddppo import sharding
+from jaxddppo.config.files import from_dict, with_overrides
+from jaxddppo.config.options import ConfigError
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import topology
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, parse_args, resume_sweep
 from jaxddppo.train import run
+from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE
+from jaxddppo.training.chunk_metrics import NonFiniteError
+from jaxddppo.training.experiment import Experiment
+from jaxddppo.training.population import expand_members, split_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Same maths, but XLA compiles a batch of members otherwise in the last bits (docs/sweeps.md).

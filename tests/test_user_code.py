@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import from_dict, load_resume_config
+from jaxddppo.config.files import from_dict, load_resume_config
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs import make_core
 from jaxddppo.networks import make_actor_critic, unroll
-from jaxddppo.policy import load_policy
-from jaxddppo.population import split_overrides
+from jaxddppo.outputs.policy import load_policy
 from jaxddppo.references import UserObjects, with_objects
 from jaxddppo.sweep import run_sweep
 from jaxddppo.train import run
+from jaxddppo.training.population import split_overrides
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODULE = "jaxddppo_test_user_code"

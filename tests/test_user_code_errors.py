@@ -421,7 +421,7 @@ def test_a_kwarg_the_factory_does_not_take_is_placed_in_the_users_file(
 # The valid modules the bad ones vary: each accepted, so that each bad case fails for its one change.
 
 def test_the_good_modules_are_accepted(module_name: str, tmp_path: Path):
-    from jaxddppo.config import NetworkConfig
+    from jaxddppo.config.options import NetworkConfig
     from jaxddppo.envs import make_core
     from jaxddppo.networks import make_actor_critic
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from typing import Any, Mapping, Optional
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import BatchedEnv, EnvCore, EnvSpec, EpisodeState, StepResult, batch_size, observation_spec
 from jaxddppo.references import resolve
 

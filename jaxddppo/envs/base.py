@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.config import START_STATES, ConfigError
+from jaxddppo.config.options import START_STATES, ConfigError
 from jaxddppo.envs.resets import (ResetPool, empty_pool, first_states_pool, hand_out_first_states, hand_out_slots,
                                   take_pending)
 

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvSpec, observation_spec
 
 UNSUPPORTED = {

@@ -42,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvSpec, observation_spec, strongly_typed
 
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvCore, EnvSpec
 from jaxddppo.references import article, call_user_code
 

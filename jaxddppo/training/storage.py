@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import jax
 
-from jaxddppo.checkpoint import Checkpointer
+from jaxddppo.training.checkpoint import Checkpointer
 
 STORAGE_EXIT_CODE = 74  # EX_IOERR: a storage fault; fix it, then resume
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import jax
 
-from jaxddppo.config import Config, ConfigError
+from jaxddppo.config.options import Config, ConfigError
 
 
 @dataclass(frozen=True)

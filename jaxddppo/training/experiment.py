@@ -17,16 +17,18 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import cpu_tuning, pbt, sharding, shards
-from jaxddppo.config import Config, ConfigError
+from jaxddppo import sharding, shards
+from jaxddppo.config.options import Config, ConfigError
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed.topology import Topology, make_topology
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy_program
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.minibatches import random_permutations
 from jaxddppo.networks import ActorCritic, make_actor_critic
 from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
 from jaxddppo.references import UserObjects
-from jaxddppo.topology import Topology, make_topology
+from jaxddppo.training import pbt
+from jaxddppo.training.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy_program
 
 
 def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetrics]], hyperparams: Any,

@@ -14,20 +14,13 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxddppo import cpu_tuning, distributed, pbt, sharding, shards
-from jaxddppo.checkpoint import (
-    PREEMPTED_EXIT_CODE,
-    Checkpointer,
-    CheckpointError,
-    RunCounters,
-    SaveSchedule,
-    StopSignals,
-)
-from jaxddppo.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
-from jaxddppo.config import ConfigError
-from jaxddppo.config_files import check_resume
-from jaxddppo.experiment import Experiment, Programs, compile_programs, update_count
-from jaxddppo.outputs import (
+from jaxddppo import sharding, shards
+from jaxddppo.config.files import check_resume
+from jaxddppo.config.options import ConfigError
+from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import multiprocess
+from jaxddppo.outputs.run_dir import shared_run_dir, write_config
+from jaxddppo.outputs.writers import (
     PBT_FILE,
     MetricsSink,
     MetricsWriter,
@@ -36,8 +29,18 @@ from jaxddppo.outputs import (
     truncate_metrics,
 )
 from jaxddppo.ppo import TrainState
-from jaxddppo.run_dir import shared_run_dir, write_config
-from jaxddppo.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
+from jaxddppo.training import pbt
+from jaxddppo.training.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    Checkpointer,
+    CheckpointError,
+    RunCounters,
+    SaveSchedule,
+    StopSignals,
+)
+from jaxddppo.training.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
+from jaxddppo.training.experiment import Experiment, Programs, compile_programs, update_count
+from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
             outputs.pbt_writer.write(pbt.exploit_rows(update, exploits, experiment.pbt.reported))
         check_finite(per_member, params_finite, first_update, experiment.is_sweep)
         if config.debug.check_replicas:
-            distributed.check_replicas(state.params, mesh, update)
+            multiprocess.check_replicas(state.params, mesh, update)
         returns = [chunk_episode_return(member_metrics) for member_metrics in per_member]
         # Training time counts the host's work between chunks (logging, checks) but not evaluations.
         counters = RunCounters(
@@ -351,7 +354,7 @@ def command_exit_code(command: Callable[[], TrainResult]) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (distributed.DistributedError, distributed.ReplicaDivergence, NonFiniteError) as error:
+    except (multiprocess.DistributedError, multiprocess.ReplicaDivergence, NonFiniteError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except StorageError as error:

@@ -14,9 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from jaxddppo.config import RESUMABLE_KEYS, Config, ConfigError, is_resumable, section_names, validate
-from jaxddppo.config_reference import options
-
+from jaxddppo.config.options import RESUMABLE_KEYS, Config, ConfigError, is_resumable, section_names, validate
+from jaxddppo.config.reference import options
 
 # The CPU options that `run.cpu_tuning` replaced: a run directory written with them still resumes.
 REPLACED_CPU_OPTIONS = ("network.dense_gradient", "ppo.minibatch_shuffle", "ppo.flat_optimizer",

@@ -1,10 +1,10 @@
 """The options: typed, frozen dataclasses with their defaults and help, which of them a
 resume may change, and `validate`'s range and choice checks.
 
-These dataclasses are the single source of truth for every option; `config_files.py`
-fills them from YAML files, dotted overrides and dicts, and `config_reference.py` lists
+These dataclasses are the single source of truth for every option; `config/files.py`
+fills them from YAML files, dotted overrides and dicts, and `config/reference.py` lists
 them for `--help` and docs/configuration.md. Sizes that depend on the device count are
-derived later, in `topology.py`. Nothing writes into a config after it is built.
+derived later, in `distributed/topology.py`. Nothing writes into a config after it is built.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ class RunConfig:
         "without. The Python API leaves JAX's setting alone"
     )
     cpu_tuning: str = _opt(
-        "auto", "the CPU switch (jaxddppo.cpu_tuning): on, minibatch orders drawn by sorts of integers, Dense kernel "
+        "auto", "the CPU switch (jaxddppo.cpu.tuning): on, minibatch orders drawn by sorts of integers, Dense kernel "
         "gradients from transposed inputs, lower XLA optimisation levels and (jaxlib 0.10+) YNNPACK for dots only, "
         "which XLA's CPU backend runs or compiles faster (docs/benchmarks.md); off, the plain path; auto, on where the "
         "run's devices are CPUs. Results differ between on and off beyond the last bits (the minibatch orders); "

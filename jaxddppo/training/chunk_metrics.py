@@ -9,10 +9,10 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxddppo.eval_episodes import EvalStats
-from jaxddppo.experiment import Experiment
-from jaxddppo.outputs import METRIC_FIELDS
+from jaxddppo.outputs.writers import METRIC_FIELDS
 from jaxddppo.ppo import UpdateMetrics
+from jaxddppo.training.eval_episodes import EvalStats
+from jaxddppo.training.experiment import Experiment
 
 
 class NonFiniteError(RuntimeError):

@@ -14,8 +14,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from jaxddppo import cpu_tuning
-from jaxddppo.config import Config, DistributedConfig
+from jaxddppo.config.options import Config, DistributedConfig
+from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.sharding import is_population, shard_checksums
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from jaxddppo import shards
-from jaxddppo.config import TRACED_BOUNDS, PBTConfig
+from jaxddppo.config.options import TRACED_BOUNDS, PBTConfig
 from jaxddppo.loss import PPOHyperparams
 from jaxddppo.ppo import TrainState
 

@@ -43,9 +43,9 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 
-from jaxddppo.config import Config, ConfigError
-from jaxddppo.config_files import with_overrides
-from jaxddppo.topology import make_topology
+from jaxddppo.config.files import with_overrides
+from jaxddppo.config.options import Config, ConfigError
+from jaxddppo.distributed.topology import make_topology
 
 # The XLA_FLAGS entry that splits the CPU into N devices when JAX starts.
 CPU_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

@@ -18,14 +18,14 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.checkpoint import Checkpointer, RunCounters
-from jaxddppo.config import Config
-from jaxddppo.config_files import load_resume_config
+from jaxddppo.config.files import load_resume_config
+from jaxddppo.config.options import Config
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.experiment import build
 from jaxddppo.networks import ActorCritic, policy_step
 from jaxddppo.normalization import RunningMoments
 from jaxddppo.references import with_objects
+from jaxddppo.training.checkpoint import Checkpointer, RunCounters
+from jaxddppo.training.experiment import build
 
 
 @dataclass(frozen=True)

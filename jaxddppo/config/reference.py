@@ -1,5 +1,5 @@
 """Every option as a dotted key with its type, default and help: `--help` and
-docs/configuration.md, both from the dataclasses in `config.py`."""
+docs/configuration.md, both from the dataclasses in `config/options.py`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from jaxddppo.config import RESUMABLE_KEYS, Config
+from jaxddppo.config.options import RESUMABLE_KEYS, Config
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _markdown_value(value: Any) -> str:
     return str(value)
 
 
-REFERENCE_COMMAND = 'python -c "import jaxddppo.config_reference as c; print(c.reference_markdown())" > docs/configuration.md'
+REFERENCE_COMMAND = 'python -c "import jaxddppo.config.reference as c; print(c.reference_markdown())" > docs/configuration.md'
 
 
 def reference_markdown() -> str:
@@ -80,7 +80,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        f"<!-- Generated from jaxddppo/config.py by jaxddppo/config_reference.py; do not edit. Regenerate with: {REFERENCE_COMMAND} -->",
+        f"<!-- Generated from jaxddppo/config/options.py by jaxddppo/config/reference.py; do not edit. Regenerate with: {REFERENCE_COMMAND} -->",
         "",
         "Options are set in a YAML file of sections (as in `experiments/*.yaml`), on the command line "
         "as `section.key=value` after `--config FILE`, or in Python with `jaxddppo.from_dict` and "

@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 
 import jax
 
-from jaxddppo.config import ConfigError
+from jaxddppo.config.options import ConfigError
 
 # Least recently used programs are deleted beyond this (a CheetahRun run writes 3.5 MB).
 MAX_CACHE_BYTES = 2 * 1024 ** 3

@@ -11,9 +11,9 @@ from typing import Optional
 
 import jax
 
-from jaxddppo import distributed
-from jaxddppo.config import Config, ConfigError
-from jaxddppo.config_files import to_yaml
+from jaxddppo.config.files import to_yaml
+from jaxddppo.config.options import Config, ConfigError
+from jaxddppo.distributed import multiprocess
 
 
 def claim_run_dir(path: Optional[str], name: str) -> str:
@@ -49,16 +49,16 @@ def claim_run_dir(path: Optional[str], name: str) -> str:
 def shared_run_dir(config: Config, name: str) -> str:
     """Process 0 claims the run directory; every process learns its path (checkpoints need it)."""
     if jax.process_index() != 0:
-        run_dir = distributed.broadcast_text("")
+        run_dir = multiprocess.broadcast_text("")
         if not run_dir:
-            raise distributed.DistributedError("process 0 could not create the run directory; see its error")
+            raise multiprocess.DistributedError("process 0 could not create the run directory; see its error")
         return run_dir
     try:
         run_dir = claim_run_dir(config.run.dir, name)
     except ConfigError:
-        distributed.broadcast_text("")
+        multiprocess.broadcast_text("")
         raise
-    return distributed.broadcast_text(run_dir)
+    return multiprocess.broadcast_text(run_dir)
 
 
 def write_config(run_dir: str, config: Config) -> None:

@@ -16,12 +16,12 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.config import TRACED_KEYS, Config, ConfigError
-from jaxddppo.config_files import with_overrides
-from jaxddppo.config_reference import options
-from jaxddppo.experiment import Experiment, Member, assemble
+from jaxddppo.config.files import with_overrides
+from jaxddppo.config.options import TRACED_KEYS, Config, ConfigError
+from jaxddppo.config.reference import options
+from jaxddppo.distributed.topology import make_topology, place_population
 from jaxddppo.references import UserObjects
-from jaxddppo.topology import make_topology, place_population
+from jaxddppo.training.experiment import Experiment, Member, assemble
 
 SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
 
