@@ -104,9 +104,9 @@ def sequence_advantages(
 ) -> jax.Array:
     """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
     `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
-    num_local, num_steps, num_envs = advantages.shape
+    shards_per_device, num_steps, num_envs = advantages.shape
     flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
-    flat_advantages = advantages.reshape(num_local, -1)
+    flat_advantages = advantages.reshape(shards_per_device, -1)
     if not normalize:
         return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
     per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))

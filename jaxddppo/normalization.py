@@ -79,17 +79,17 @@ def global_batch_moments(samples: Any, shards: DeviceShards) -> RunningMoments:
     With equal counts the parallel merge of the S shard moments reduces to
     mean = mean_s(mean_i) and M2 = sum_i (M2_i + N (mean_i - mean)^2).
     """
-    num_local = jax.tree.leaves(samples)[0].shape[1]
+    samples_per_shard = jax.tree.leaves(samples)[0].shape[1]
     local_mean = shards.map(lambda shard: jax.tree.map(lambda x: jnp.mean(x, axis=0), shard), samples)
     mean = shards.mean(local_mean)
 
     def local_m2(x: jax.Array, shard_mean: jax.Array, global_mean: jax.Array) -> jax.Array:
-        return jnp.sum(jnp.square(x - shard_mean), axis=0) + num_local * jnp.square(shard_mean - global_mean)
+        return jnp.sum(jnp.square(x - shard_mean), axis=0) + samples_per_shard * jnp.square(shard_mean - global_mean)
 
     m2 = shards.sum(shards.map(
         lambda shard, shard_mean: jax.tree.map(local_m2, shard, shard_mean, mean), samples, local_mean
     ))
-    return RunningMoments(count=jnp.float32(num_local * shards.num_shards(samples)), mean=mean, m2=m2)
+    return RunningMoments(count=jnp.float32(samples_per_shard * shards.num_shards(samples)), mean=mean, m2=m2)
 
 
 def update_moments(moments: RunningMoments, samples: Any, shards: DeviceShards) -> RunningMoments:

@@ -305,11 +305,11 @@ def make_update(
             episode_length_mean=episodes.length_sum / count * nan_if_none,
             episodes_completed=jnp.round(episodes.count * settings.num_shards),
         )
-        num_local = state.update_index.shape[0]
+        shards_per_device = state.update_index.shape[0]
         new_state = state.replace(
-            params=copies(params, num_local), opt_state=copies(opt_state, num_local), rollout=rollout,
-            update_index=state.update_index + 1, obs_moments=copies(obs_moments, num_local),
-            return_moments=copies(return_moments, num_local),
+            params=copies(params, shards_per_device), opt_state=copies(opt_state, shards_per_device), rollout=rollout,
+            update_index=state.update_index + 1, obs_moments=copies(obs_moments, shards_per_device),
+            return_moments=copies(return_moments, shards_per_device),
         )
         return new_state, metrics
 

@@ -160,9 +160,9 @@ def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
     shard among several. So the loop's trip count is hidden from XLA, and a single
     shard's arguments and results sit in buffers of two (the second never read).
     """
-    num_local = _leading_length(args)
-    buffer_length = max(num_local, 2)
-    if num_local == 1:
+    shards_per_device = _leading_length(args)
+    buffer_length = max(shards_per_device, 2)
+    if shards_per_device == 1:
         args = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]), args)
     shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), one_copy(args))
     outputs = jax.tree.map(lambda shape: jnp.zeros((buffer_length, *shape.shape), shape.dtype), shapes)
@@ -171,9 +171,9 @@ def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
         shard_args = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), args)
         return jax.tree.map(lambda stacked, value: stacked.at[index].set(value), outputs, per_shard(*shard_args))
 
-    trip_count = jax.lax.optimization_barrier(jnp.int32(num_local))
+    trip_count = jax.lax.optimization_barrier(jnp.int32(shards_per_device))
     outputs = jax.lax.fori_loop(0, trip_count, one_shard, outputs)
-    return jax.tree.map(lambda stacked: stacked[:num_local], outputs)
+    return jax.tree.map(lambda stacked: stacked[:shards_per_device], outputs)
 
 
 def _leading_length(tree: Any) -> int:
@@ -189,14 +189,14 @@ def _ordered_sum(tree: Any) -> Any:
     device moves about (L + 1) x P values, like a ring all-reduce for L = 1, whatever D.
     """
     leaves, treedef = jax.tree.flatten(tree)
-    num_local = leaves[0].shape[0]
-    rows = jnp.concatenate([leaf.reshape(num_local, -1) for leaf in leaves], axis=1)
+    shards_per_device = leaves[0].shape[0]
+    rows = jnp.concatenate([leaf.reshape(shards_per_device, -1) for leaf in leaves], axis=1)
     width = rows.shape[1]
     num_devices = jax.lax.axis_size(DEVICE_AXIS)
     if num_devices > 1:
         chunk = -(-width // num_devices)
         rows = jnp.pad(rows, ((0, 0), (0, chunk * num_devices - width)))
-        rows = rows.reshape(num_local, num_devices, chunk)
+        rows = rows.reshape(shards_per_device, num_devices, chunk)
         rows = jax.lax.all_to_all(rows, DEVICE_AXIS, 1, 0, tiled=True)[:, 0]  # [num_shards, chunk]
     # A loop XLA cannot unroll: with D = 1 it would otherwise see through the sum to each
     # leaf and compile the consumers (the gradient's norm) otherwise than for D > 1.

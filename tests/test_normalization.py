@@ -65,7 +65,7 @@ def rollouts_with_statistics(num_devices: int):
     device_shards = shards.DeviceShards()
 
     def per_device(shard_index):
-        num_local = shard_index.shape[0]
+        shards_per_device = shard_index.shape[0]
 
         def start(index):
             key = jax.random.fold_in(jax.random.key(7), index)
@@ -83,15 +83,15 @@ def rollouts_with_statistics(num_devices: int):
                                                    NUM_STEPS),
                 rollout, keys,
             )
-            obs_moments = update_moments(obs_moments, transitions.obs.reshape(num_local, -1, *env.spec.obs_shape),
-                                         device_shards)
+            shard_observations = transitions.obs.reshape(shards_per_device, -1, *env.spec.obs_shape)
+            obs_moments = update_moments(obs_moments, shard_observations, device_shards)
             scaled = scale_rollout_rewards(transitions, rollout.discounted_return, return_moments, GAMMA, device_shards)
             rollout, return_moments = rollout.replace(discounted_return=scaled.discounted_return), scaled.moments
             observations.append(transitions.obs)
             rewards.append(transitions.reward)
             dones.append(transitions.terminated | transitions.truncated)
         data = tuple(jnp.concatenate(x, axis=1) for x in (observations, rewards, dones))
-        return shards.copies((obs_moments, return_moments), num_local) + (scaled.rewards, data)
+        return shards.copies((obs_moments, return_moments), shards_per_device) + (scaled.rewards, data)
 
     indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
     return sharding.all_shards(sharding.shard_parallel(per_device, mesh)(indices))

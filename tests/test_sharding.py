@@ -87,11 +87,12 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
     device_shards = shards.DeviceShards()
 
     def per_device(batch):
-        num_local = batch.advantage.shape[0]
-        one_minibatch = jnp.broadcast_to(jnp.arange(shard_size).reshape(1, 1, shard_size), (num_local, 1, 1, shard_size))
+        shards_per_device = batch.advantage.shape[0]
+        one_minibatch = jnp.broadcast_to(jnp.arange(shard_size).reshape(1, 1, shard_size),
+                                         (shards_per_device, 1, 1, shard_size))
         advantage = normalize_minibatch_advantages(batch.advantage, one_minibatch, device_shards)[:, 0, 0]
         grads, info = mean_gradients(params, batch.replace(advantage=advantage), network.apply, hyperparams, True, device_shards)
-        return shards.copies(grads, num_local), info
+        return shards.copies(grads, shards_per_device), info
 
     split = jax.tree.map(lambda x: x.reshape((num_shards, shard_size) + x.shape[1:]), global_batch)
     grads, info = sharding.shard_parallel(per_device, mesh)(split)

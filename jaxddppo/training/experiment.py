@@ -163,11 +163,12 @@ class Experiment:
             member_pbt = None if self.pbt is None else shards.one_copy(state.pbt)
             hyperparams = shards.one_copy(shard.hyperparams) if member_pbt is None else member_pbt.hyperparams
             state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
-            num_local = shard.shard_index.shape[0]
+            shards_per_device = shard.shard_index.shape[0]
             if member_pbt is not None:
                 member_pbt = pbt.accumulate(member_pbt, metrics.episode_return_mean, metrics.episodes_completed)
-                state = state.replace(pbt=shards.copies(member_pbt, num_local))
-            return state, shards.copies(metrics, num_local), shards.copies(all_finite(state.params), num_local)
+                state = state.replace(pbt=shards.copies(member_pbt, shards_per_device))
+            finite = all_finite(state.params)
+            return state, shards.copies(metrics, shards_per_device), shards.copies(finite, shards_per_device)
 
         if self.pbt is None:
             return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),

@@ -178,19 +178,19 @@ def exploit(settings: PBTSettings, carried: Any, state: PBTState, fitness: jax.A
     Returns both with the losers' rows replaced by their winners' (bit for bit) and the
     hyperparameters decided, the record of the exploit in `state`."""
     one_per_member = lambda tree: jax.tree.map(lambda leaf: leaf[:, 0], tree)
-    num_local, num_shards = state.copied_from.shape[:2]
+    members_per_device, shards_per_device = state.copied_from.shape[:2]
     hyperparams = shards.all_members(one_per_member(state.hyperparams))
     all_fitness = shards.all_members(fitness)
     key = jax.random.fold_in(state.key[0, 0], update_index)
     decision = decide(settings, all_fitness, hyperparams, key)
     spread = lambda tree: jax.tree.map(
-        lambda leaf: jnp.broadcast_to(leaf[:, None], (num_local, num_shards, *leaf.shape[1:])), tree)
+        lambda leaf: jnp.broadcast_to(leaf[:, None], (members_per_device, shards_per_device, *leaf.shape[1:])), tree)
     carried = spread(shards.copy_members(one_per_member(carried), decision.source[decision.losers], decision.losers))
-    members = shards.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), num_local)
-    source = shards.local_members(decision.source, num_local)
-    zero = jnp.zeros((num_local, num_shards), jnp.float32)
+    members = shards.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), members_per_device)
+    source = shards.local_members(decision.source, members_per_device)
+    zero = jnp.zeros((members_per_device, shards_per_device), jnp.float32)
     state = state.replace(
-        hyperparams=spread(shards.local_members(decision.hyperparams, num_local)),
+        hyperparams=spread(shards.local_members(decision.hyperparams, members_per_device)),
         return_sum=zero,
         episodes=zero,
         copied_from=spread(jnp.where(source != members, source, -1)),
