@@ -58,7 +58,6 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
     """Compile the training chunk on this process's devices; its collectives and parameter count."""
     import jax
 
-    from jaxddppo import sharding
     from jaxddppo.config.files import load_config, with_overrides
     from jaxddppo.training.experiment import build, update_count
 
@@ -67,7 +66,7 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
     state = experiment.init_state()
     program = experiment.learn_fn().lower(state, experiment.shard_inputs(),
                                           update_count(experiment.mesh, config.train.updates_per_chunk))
-    parameters = sum(leaf.size for leaf in jax.tree.leaves(sharding.first_shard(state.params)))
+    parameters = sum(leaf.size for leaf in jax.tree.leaves(state.params))
     return {"devices": jax.device_count(), "exact_reductions": exact, "parameters": parameters,
             "collectives": collectives(program.compile().as_text())}
 

@@ -6,8 +6,8 @@ the per-device `update(state, hyperparams) -> (state, metrics)`;
 `sharding.shard_parallel` runs it on every device. It runs each of the device's shards' rollouts, returns
 and minibatch gradients with `DeviceShards.map`, and reduces every statistic that
 all shards use (advantage normalisation, gradients, logged metrics) over all
-shards with `DeviceShards.mean`; parameters and optimizer state, the same on every
-shard, are updated once per device.
+shards with `DeviceShards.mean`; parameters and optimizer state, one per member
+(`TrainState.layout`), are updated once per device.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from jaxddppo.normalization import (
     update_moments,
 )
 from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
-from jaxddppo.shards import DeviceShards, copies, one_copy
+from jaxddppo.shards import DeviceShards, field_layouts
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,9 @@ class UpdateSettings:
 
 @struct.dataclass
 class TrainState:
-    """Everything one shard carries between updates (a device's shards: leaves lead with
-    [shards_per_device]; params, opt_state, update_index and moments are the same on every shard)."""
+    """Everything a run carries between updates: the rollout and key of each shard (a
+    device's leaves lead with [shards_per_device]), and once for all shards the parameters,
+    optimizer state, update count and statistics (`layout`)."""
 
     params: Any
     opt_state: Any  # the optimizer's (`optimizer_state`)
@@ -99,6 +100,11 @@ class TrainState:
     update_index: jax.Array  # int32, updates done so far
     obs_moments: Optional[RunningMoments] = None  # env.normalize_observations: all shards' observations
     return_moments: Optional[RunningMoments] = None  # env.scale_rewards: all shards' discounted returns
+
+    @classmethod
+    def layout(cls) -> TrainState:
+        """Which fields are per shard and which per member (`sharding.shard_parallel`'s layouts)."""
+        return field_layouts(cls, ("rollout", "key"))
 
 
 @struct.dataclass
@@ -235,15 +241,14 @@ def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
 def make_update(
     env: BatchedEnv, network: ActorCritic, settings: UpdateSettings
 ) -> Callable[[TrainState, PPOHyperparams], tuple[TrainState, UpdateMetrics]]:
-    """The per-device PPO update of the device's shards (`TrainState` leaves
-    [shards_per_device, ...]; one member's `PPOHyperparams`): rollout, GAE, epochs x
-    minibatches of SGD. The metrics are the same on every device, without a shard axis."""
+    """The per-device PPO update of the device's shards (`TrainState.layout`; one member's
+    `PPOHyperparams`): rollout, GAE, epochs x minibatches of SGD. The metrics are the same
+    on every device, without a shard axis."""
     shards = settings.shards
 
     def update(state: TrainState, hyperparams: PPOHyperparams) -> tuple[TrainState, UpdateMetrics]:
-        params, opt_state = one_copy(state.params), one_copy(state.opt_state)
-        obs_moments, return_moments = one_copy(state.obs_moments), one_copy(state.return_moments)
-        update_index = one_copy(state.update_index)
+        params, opt_state, update_index = state.params, state.opt_state, state.update_index
+        obs_moments, return_moments = state.obs_moments, state.return_moments
         keys = shards.map_batched(lambda key: update_keys(key, update_index), state.key)
         key_rollout, key_epochs = keys[:, 0], keys[:, 1]
 
@@ -305,13 +310,8 @@ def make_update(
             episode_length_mean=episodes.length_sum / count * nan_if_none,
             episodes_completed=jnp.round(episodes.count * settings.num_shards),
         )
-        shards_per_device = state.update_index.shape[0]
-        new_state = state.replace(
-            params=copies(params, shards_per_device), opt_state=copies(opt_state, shards_per_device), rollout=rollout,
-            update_index=state.update_index + 1, obs_moments=copies(obs_moments, shards_per_device),
-            return_moments=copies(return_moments, shards_per_device),
-        )
-        return new_state, metrics
+        return state.replace(params=params, opt_state=opt_state, rollout=rollout, update_index=update_index + 1,
+                             obs_moments=obs_moments, return_moments=return_moments), metrics
 
     return update
 
@@ -322,7 +322,7 @@ def initial_params(seed: int | jax.Array, network: ActorCritic, obs: Any) -> Any
 
 
 def init_train_state(
-    shard_index: jax.Array,
+    shard_indices: jax.Array,
     seed: int | jax.Array,
     env: BatchedEnv,
     network: ActorCritic,
@@ -330,26 +330,31 @@ def init_train_state(
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
 ) -> TrainState:
-    """One shard's initial state: parameters `initial_params(seed, ...)`; environment and
-    update keys folded from the global shard index."""
-    root = jax.random.key(seed)
-    shard_key = jax.random.fold_in(jax.random.fold_in(root, 1), shard_index)
-    obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
-    params = initial_params(seed, network, obs)
-    opt_state = optimizer_state(params, hyperparams, settings)
-    rollout = RolloutState(env_state, obs)
-    if network.recurrent:
-        rollout = rollout.replace(
-            carry=network.initial_carry(num_envs_per_shard),
-            episode_start=jnp.ones((num_envs_per_shard,), bool),
-        )
-    if settings.scale_rewards:
-        rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
+    """The initial state of a device's shards (global indices `shard_indices`
+    [shards_per_device]): parameters `initial_params(seed, ...)`; each shard's environment
+    and update keys folded from its global index."""
+    shard_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(jax.random.key(seed), 1),
+                                                                   shard_indices)
+
+    def init_rollout(shard_key: jax.Array) -> RolloutState:
+        obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
+        rollout = RolloutState(env_state, obs)
+        if network.recurrent:
+            rollout = rollout.replace(
+                carry=network.initial_carry(num_envs_per_shard),
+                episode_start=jnp.ones((num_envs_per_shard,), bool),
+            )
+        if settings.scale_rewards:
+            rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
+        return rollout
+
+    rollout = DeviceShards.map_batched(init_rollout, shard_keys)
+    params = initial_params(seed, network, jax.tree.map(lambda leaf: leaf[0], rollout.obs))
     return strongly_typed(TrainState(
         params=params,
-        opt_state=opt_state,
+        opt_state=optimizer_state(params, hyperparams, settings),
         rollout=rollout,
-        key=jax.random.fold_in(shard_key, 1),
+        key=DeviceShards.map_batched(lambda shard_key: jax.random.fold_in(shard_key, 1), shard_keys),
         update_index=jnp.zeros((), jnp.int32),
         obs_moments=init_observation_moments(env.spec.observation) if settings.normalize_observations else None,
         return_moments=init_moments(()) if settings.scale_rewards else None,

@@ -1,9 +1,10 @@
 """Shard semantics: what a per-device function does with its device's shards.
 
 A *shard* is a logical slice of the global batch with its own environments and its own
-local minibatching; a *device* is physical. Every array of the training state has a leading
-axis of length `num_shards`, split over the mesh axis `DEVICE_AXIS`, so a device holds
-`shards_per_device` of them. A per-device function runs each of its shards' computations
+local minibatching; a *device* is physical. A value is laid out `PER_SHARD`, each leaf
+leading with an axis of length `num_shards` split over the mesh axis `DEVICE_AXIS` (a
+device holds `shards_per_device` of them), or `PER_MEMBER`, one value that every shard
+uses (parameters, optimizer state, statistics), held whole on every device. A per-device function runs each of its shards' computations
 with `DeviceShards.map` and reduces over all shards with `DeviceShards.sum`/`mean`; by
 default the shards run one after another and sums add the shards in order of global shard
 index, so the results do not depend on how shards map to devices, bit for bit.
@@ -26,6 +27,14 @@ import numpy as np
 
 DEVICE_AXIS = "device"
 MEMBER_AXIS = "member"
+PER_SHARD = "per shard"  # leaves lead with [num_shards], split over the devices
+PER_MEMBER = "per member"  # one value for all of a member's shards, whole on each of its devices
+
+
+def field_layouts(cls: type, per_shard_fields: Sequence[str]) -> Any:
+    """The layout of a dataclass pytree `cls`: an instance whose fields are PER_SHARD if named
+    in `per_shard_fields`, else PER_MEMBER (a prefix of every `cls` for `sharding.shard_parallel`)."""
+    return cls(**{name: PER_SHARD if name in per_shard_fields else PER_MEMBER for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)
@@ -74,16 +83,6 @@ class DeviceShards:
     def num_shards(tree: Any) -> int:
         """The run's shard count, from a per-device value whose leaves lead with [shards_per_device]."""
         return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
-
-
-def one_copy(tree: Any) -> Any:
-    """The first local shard's copy of a value every shard holds (leaves [shards_per_device, ...])."""
-    return jax.tree.map(lambda leaf: leaf[0], tree)
-
-
-def copies(tree: Any, shards_per_device: int) -> Any:
-    """`tree` repeated for each of the device's shards: leaves [shards_per_device, ...]."""
-    return jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (shards_per_device, *jnp.shape(leaf))), tree)
 
 
 def all_members(tree: Any) -> Any:
@@ -164,7 +163,7 @@ def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
     buffer_length = max(shards_per_device, 2)
     if shards_per_device == 1:
         args = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]), args)
-    shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), one_copy(args))
+    shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), jax.tree.map(lambda leaf: leaf[0], args))
     outputs = jax.tree.map(lambda shape: jnp.zeros((buffer_length, *shape.shape), shape.dtype), shapes)
 
     def one_shard(index: jax.Array, outputs: Any) -> Any:

@@ -119,7 +119,7 @@ def pbt_member_columns(population: Experiment, trained: TrainResult) -> list[dic
     settings, num_members = population.pbt, len(population.members)
     if settings is None:
         return [{} for _ in range(num_members)]
-    final = sharding.member_first_shards(trained.state.pbt.hyperparams, population.mesh)
+    final = sharding.member_values(trained.state.pbt.hyperparams, population.mesh)
     path = os.path.join(trained.run_dir, PBT_FILE)
     rows = read_metrics(path) if os.path.exists(path) else None
     lineage = pbt.lineages(rows, num_members) if rows is not None else [None] * num_members

@@ -126,6 +126,13 @@ def host_leaves(tree) -> list[np.ndarray]:
     return [np.asarray(leaf) for leaf in jax.tree.leaves(all_shards(jax.tree.map(raw, tree)))]
 
 
+def device_copies(tree):
+    """Each local device's copy of every leaf of a per-member global `tree`: leaves [devices, ...]."""
+    import jax
+
+    return jax.tree.map(lambda leaf: np.stack([np.asarray(copy.data) for copy in leaf.addressable_shards]), tree)
+
+
 # A small CartPole run of 12 updates in 4 shards with a checkpoint every 4 updates: what the
 # checkpoint and storage tests train, stop, damage and resume.
 SMALL_CHECKPOINTED_RUN = {

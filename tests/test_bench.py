@@ -507,8 +507,8 @@ def test_env_rates_refuses_contenders_without_the_core_in_one_line(capsys):
 def test_collectives_reads_how_shards_are_summed_from_the_compiled_program(exact, expected):
     """benchmarks/collectives.py on a sum of 1,000 values over 2 devices, one shard each."""
     device_shards = shards.DeviceShards(exact)
-    program = sharding.shard_parallel(lambda values: shards.copies(device_shards.sum(values), 1),
-                                      sharding.make_mesh(jax.devices()[:2]))
+    program = sharding.shard_parallel(device_shards.sum, sharding.make_mesh(jax.devices()[:2]),
+                                      out_layouts=shards.PER_MEMBER)
     text = program.lower(np.ones((2, 1000), np.float32)).compile().as_text()
     assert [found for found in collectives.collectives(text) if found[1] >= 1000] == expected
     row = collectives.gradient_row({"devices": 2, "exact_reductions": exact, "parameters": 1000,

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import yaml
 from conftest import host_leaves, small_config, subprocess_env
@@ -23,7 +24,6 @@ from conftest import host_leaves, small_config, subprocess_env
 from jaxddppo import sharding
 from jaxddppo.config.files import load_config, load_resume_config, with_overrides
 from jaxddppo.config.options import ConfigError
-from jaxddppo.envs.resets import take_pending
 from jaxddppo.evaluate import evaluate, statistics
 from jaxddppo.normalization import normalize
 from jaxddppo.outputs.policy import load_policy
@@ -39,16 +39,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
 # with both running statistics, so that they too must survive a resume exactly.
-# The fields of the state that checkpoint format 2 holds: a field added to every run's state
+# The fields of the state that checkpoint format 4 holds: a field added to every run's state
 # (as PBT's first was) would leave the checkpoints written before it unreadable.
-FORMAT_2_STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
+FORMAT_4_STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
 
 
-def test_a_run_saves_the_state_fields_of_checkpoint_format_2(tmp_path):
+def test_a_checkpoint_holds_the_parameters_once_and_each_shard_s_environments(tmp_path):
+    """Format 4: on 4 shards, the parameters, optimizer state and statistics are saved once
+    (the shapes the network gives them), the environments and keys once per shard."""
     run_dir = tmp_path / "run"
-    run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:1])
+    run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:4])
     metadata = json.loads(next((run_dir / "checkpoints").glob("*/state/_METADATA")).read_text())
-    assert {ast.literal_eval(path)[0] for path in metadata["tree_metadata"]} == FORMAT_2_STATE_FIELDS
+    assert {ast.literal_eval(path)[0] for path in metadata["tree_metadata"]} == FORMAT_4_STATE_FIELDS
+    saved = ocp.StandardCheckpointer().metadata(str(next((run_dir / "checkpoints").glob("*/state"))))
+    saved = getattr(saved, "item_metadata", saved)
+    experiment = build(load_resume_config(str(run_dir)), devices=jax.devices()[:1])
+    obs = jnp.zeros((1, *experiment.env.spec.obs_shape))
+    network = jax.eval_shape(experiment.network.init, jax.random.key(0), obs)
+    assert [leaf.shape for leaf in jax.tree.leaves(saved["params"])] == [leaf.shape for leaf in jax.tree.leaves(network)]
+    assert {leaf.shape[0] for leaf in jax.tree.leaves(saved["rollout"])} == {4}
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -250,47 +259,10 @@ def test_a_resume_that_finds_no_usable_checkpoint_renames_none_of_them(tmp_path)
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
-def as_format_2(state):
-    """`state` as jaxddppo before pending slots (format 2) saved it: every restart complete
-    (the pending states taken) and the reset pools without pending slots."""
-    env = state.rollout.env
-    take = take_pending
-    for _ in range(env.reset_pool.pending_slot.ndim - 1):  # the shard axes
-        take = jax.vmap(take)
-    pool, env_state = jax.jit(take)(env.reset_pool, env.env_state)
-    state = state.replace(rollout=state.rollout.replace(env=env.replace(env_state=env_state, reset_pool=pool)))
-    return checkpoint._without_pending_slots(state)
-
-
-def test_a_format_2_checkpoint_resumes_exactly(one_go, tmp_path, monkeypatch):
-    """A checkpoint of jaxddppo before the reset pools recorded pending slots restores, checked
-    against its digest, with none pending, and the run ends as the run done in one go."""
-    run_dir = tmp_path / "run"
-    with monkeypatch.context() as patch:
-        patch.setattr(checkpoint, "CHECKPOINT_FORMAT", 2)
-        save, without_empty_leaves = Checkpointer.save, checkpoint._without_empty_leaves
-        patch.setattr(Checkpointer, "save",
-                      lambda self, state, counters, checksum=None: save(self, as_format_2(state), counters))
-        patch.setattr(checkpoint, "_without_empty_leaves",
-                      lambda tree: without_empty_leaves(checkpoint._format_2_target(tree)))
-        run(small_config(run_dir), devices=jax.devices()[:4], stop_after_updates=4)
-    assert json.loads((run_dir / "checkpoints" / "4" / "counters" / "metadata").read_text())["checkpoint_format"] == 2
-    reports: list[str] = []
-    experiment = build(load_resume_config(str(run_dir)), devices=jax.devices()[:4])
-    checkpointer = Checkpointer(str(run_dir), read_only=True)
-    restored, _ = checkpointer.restore_latest(experiment.abstract_state(), reports.append)
-    checkpointer.close()
-    assert reports == [] and (np.asarray(restored.rollout.env.reset_pool.pending_slot) == -1).all()
-    resumed = run(load_resume_config(str(run_dir)), devices=jax.devices()[:4], resume=True)
-    assert resumed.summary["params_digest"] == one_go.summary["params_digest"]
-    for got, want in zip(host_leaves(resumed.state), host_leaves(one_go.state), strict=True):
-        np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 1])
+@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 3])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
-    """Checkpoints of jaxddppo before format 2 (no format recorded: the optimizer state over
-    the parameters laid end to end) are refused by --resume with one line and exit 2, and
+    """Checkpoints of jaxddppo before format 4 (format 3: every shard's copy of the parameters;
+    none recorded: before format 2) are refused by --resume with one line and exit 2, and
     left as they were (not set aside as unreadable)."""
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
@@ -304,14 +276,14 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format 1, this jaxddppo reads formats 2 to 3 only "
-        "(the version that wrote it can still read it); start a new run")
+        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format {1 if written_format == 'absent' else 3}, "
+        "this jaxddppo reads format 4 only (the version that wrote it can still read it); start a new run")
     assert "Traceback" not in result.stderr
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
 def test_a_checkpoint_with_other_counters_is_refused_in_one_line(tmp_path, monkeypatch):
-    """A format-2 checkpoint whose counters differ from this version's (a single run's
+    """A checkpoint whose counters differ from this version's (a single run's
     final_episode_return, written for an hour before sweeps had checkpoints) is refused."""
     run_dir = tmp_path / "run"
 
@@ -364,13 +336,13 @@ def test_chunk_reports_whether_its_parameters_are_finite():
     experiment = build(small_config(Path("unused")), devices=jax.devices()[:2])
     learn, inputs, one = experiment.learn_fn(), experiment.shard_inputs(), update_count(experiment.mesh, 1)
     _, _, finite = learn(experiment.init_state(), inputs, one)
-    assert np.asarray(finite).tolist() == [True] * 4
+    assert bool(finite)
     state = experiment.init_state()
     first_leaf = jax.tree.leaves(state.params)[0]
     poisoned = state.replace(params=jax.tree.map(
-        lambda leaf: leaf.at[2].set(np.inf) if leaf is first_leaf else leaf, state.params))
+        lambda leaf: leaf.at[(0,) * leaf.ndim].set(np.inf) if leaf is first_leaf else leaf, state.params))
     _, _, finite = learn(poisoned, inputs, one)
-    assert not np.asarray(finite).any()
+    assert not bool(finite)
 
 
 def test_non_finite_parameters_stop_the_run_naming_the_update(tmp_path, monkeypatch):
@@ -514,7 +486,7 @@ def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
 
 def test_load_policy_acts_like_the_trained_params(one_go):
     policy = load_policy(one_go.run_dir)
-    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(sharding.first_shard(one_go.state.params)),
+    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(sharding.local_copy(one_go.state.params)),
                          strict=True):
         np.testing.assert_array_equal(got, want)
     assert policy.obs_moments is not None and float(policy.obs_moments.count) > 0

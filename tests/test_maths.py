@@ -494,11 +494,13 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(permutations):
     def per_device(batch):
         opt_state = optimizer_state(jparams, hp, settings)
         new_params, opt_state, info = run_epochs(jparams, opt_state, batch, key[None], sample_indexed_apply, hp, settings)
-        return shards.copies((new_params, opt_state), 1) + (info,)
+        return new_params, opt_state, info
 
     batch = Batch(**{name: jnp.asarray(value)[None] for name, value in batch_np.items()})
     mesh = sharding.make_mesh(jax.devices()[:1])
-    new_params, _, info = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batch))
+    member, shard = shards.PER_MEMBER, shards.PER_SHARD
+    new_params, _, info = sharding.shard_parallel(per_device, mesh, out_layouts=(member, member, shard))(batch)
+    new_params, info = sharding.local_copy(new_params), sharding.first_shard(info)
 
     minibatches = np.asarray(minibatch_indices(key, settings.minibatching)).reshape(4, 4)
     expected, norms = clipped_adam_reference(params, batch_np, minibatches, learning_rate, max_grad_norm, adam_eps)

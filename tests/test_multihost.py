@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from conftest import flip_a_stored_bit, subprocess_env
 
-from jaxddppo import sharding
 from jaxddppo.config.files import load_config
 from jaxddppo.distributed import multiprocess
 from jaxddppo.launch import OutputFacts, finished_before_exit_abort
@@ -129,13 +128,14 @@ def test_replica_check_stops_on_a_perturbed_replica(tmp_path):
     params = experiment.init_state().params
     multiprocess.check_replicas(params, experiment.mesh, after_update=0)
 
-    def perturb_shard_two(leaf):
-        values = np.array(jax.device_get(leaf))
-        values[2].flat[0] = np.nextafter(values[2].flat[0], np.float32(np.inf))
-        return jax.device_put(values, sharding.shard_sharding(experiment.mesh))
+    def perturb_device_one(leaf):
+        copies = [np.array(copy.data) for copy in leaf.addressable_shards]
+        copies[1].flat[0] = np.nextafter(copies[1].flat[0], np.float32(np.inf))
+        return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [
+            jax.device_put(values, copy.device) for values, copy in zip(copies, leaf.addressable_shards)])
 
-    perturbed = jax.tree.map(perturb_shard_two, params)
-    with pytest.raises(multiprocess.ReplicaDivergence, match=r"after update 7: shard\(s\) \[2\] differ from shard 0"):
+    perturbed = jax.tree.map(perturb_device_one, params)
+    with pytest.raises(multiprocess.ReplicaDivergence, match=r"after update 7: device\(s\) \[1\] differ from device 0"):
         multiprocess.check_replicas(perturbed, experiment.mesh, after_update=7)
 
 

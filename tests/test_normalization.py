@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jit_stages
+from conftest import device_copies, jit_stages
 
 from jaxddppo import sharding, shards
 from jaxddppo.config.files import from_dict
@@ -73,7 +73,7 @@ def rollouts_with_statistics(num_devices: int):
             return key, RolloutState(env_state, obs, discounted_return=jnp.zeros((NUM_ENVS,)))
 
         keys, rollout = jax.vmap(start)(shard_index)
-        params = network.init(jax.random.key(0), shards.one_copy(rollout.obs))
+        params = network.init(jax.random.key(0), jax.tree.map(lambda leaf: leaf[0], rollout.obs))
         obs_moments, return_moments = init_moments(env.spec.obs_shape), init_moments(())
         observations, rewards, dones = [], [], []
         for index in range(NUM_ROLLOUTS):
@@ -91,10 +91,13 @@ def rollouts_with_statistics(num_devices: int):
             rewards.append(transitions.reward)
             dones.append(transitions.terminated | transitions.truncated)
         data = tuple(jnp.concatenate(x, axis=1) for x in (observations, rewards, dones))
-        return shards.copies((obs_moments, return_moments), shards_per_device) + (scaled.rewards, data)
+        return obs_moments, return_moments, scaled.rewards, data
 
     indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
-    return sharding.all_shards(sharding.shard_parallel(per_device, mesh)(indices))
+    member, shard = shards.PER_MEMBER, shards.PER_SHARD
+    obs_moments, return_moments, rewards, data = sharding.shard_parallel(
+        per_device, mesh, out_layouts=(member, member, shard, shard))(indices)
+    return (*device_copies((obs_moments, return_moments)), *sharding.all_shards((rewards, data)))
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,9 @@ def statistics_by_device_count():
 @pytest.mark.parametrize("num_devices", [1, 4])
 def test_running_statistics_equal_numpy_over_all_shards(statistics_by_device_count, num_devices):
     obs_moments, return_moments, last_scaled_rewards, (obs, rewards, dones) = statistics_by_device_count[num_devices]
-    # Every shard holds the same statistics.
+    # Every device holds the same statistics.
     for leaf in jax.tree.leaves((obs_moments, return_moments)):
-        assert all(np.array_equal(leaf[0], leaf[s]) for s in range(NUM_SHARDS))
+        assert len(leaf) == num_devices and all(np.array_equal(leaf[0], copy) for copy in leaf)
     # Observations of every shard and every rollout together: [S, R*T, B, 4] -> [S*R*T*B, 4].
     count, mean, variance = numpy_moments(obs.reshape(-1, obs.shape[-1]))
     assert obs_moments.count[0] == count == NUM_SHARDS * NUM_ROLLOUTS * NUM_STEPS * NUM_ENVS
@@ -131,8 +134,8 @@ def test_running_statistics_equal_on_one_and_four_devices(statistics_by_device_c
     one, four = statistics_by_device_count[1], statistics_by_device_count[4]
     np.testing.assert_array_equal(one[3][0], four[3][0])  # the same observations
     # The same sums in another reduction order (measured: 2e-6 relative on a mean of -0.0025).
-    for a, b in zip(jax.tree.leaves(one[:2]), jax.tree.leaves(four[:2])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    for a, b in zip(jax.tree.leaves(one[:2]), jax.tree.leaves(four[:2])):  # each device's copy
+        np.testing.assert_allclose(np.broadcast_to(a, b.shape), b, rtol=1e-5, atol=1e-8)
 
 
 def test_merge_of_unequal_parts_equals_numpy():
@@ -160,10 +163,10 @@ def test_large_mean_does_not_cancel_the_variance():
         moments = init_moments((1,))
         for index in range(len(batches)):
             moments = update_moments(moments, samples[:, index], shards.DeviceShards())
-        return shards.copies(moments, samples.shape[0])
+        return moments
 
     split = jnp.asarray(np.stack(batches).reshape(3, 2, 128, 1).transpose(1, 0, 2, 3))  # [S, R, N, 1]
-    moments = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))
+    moments = sharding.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=shards.PER_MEMBER)(split))
     _, mean, variance = numpy_moments(np.concatenate(batches))
     naive = np.mean(np.square(np.concatenate(batches)), axis=0, dtype=np.float32) - np.float32(mean) ** 2
     assert abs(naive[0] - variance[0]) > 0.5 * variance[0], "the reference for the naive formula"
@@ -218,10 +221,10 @@ def test_training_keeps_global_statistics_in_the_state():
         state, _, _ = learn(state, inputs, one)
     assert "compile" in {stage for stage, _ in first_chunk}, first_chunk  # what a recompilation reports
     assert second_chunk == [], f"the second chunk recompiled: {second_chunk}"
-    moments = sharding.all_shards((state.obs_moments, state.return_moments))
+    moments = device_copies((state.obs_moments, state.return_moments))
     assert np.all(moments[0].count == 2 * 8 * 8) and np.all(moments[1].count == 2 * 8 * 8)
-    for leaf in jax.tree.leaves((moments, sharding.all_shards(state.params))):
-        assert all(np.array_equal(leaf[0], leaf[s]) for s in range(4))
+    for leaf in jax.tree.leaves((moments, device_copies(state.params))):
+        assert len(leaf) == 4 and all(np.array_equal(leaf[0], copy) for copy in leaf)
     assert np.all(moments[0].m2 > 0) and np.all(moments[1].m2 > 0)
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxddppo import sharding
+from jaxddppo import sharding, shards
 from jaxddppo.config.files import from_dict
 from jaxddppo.config.options import ConfigError
 from jaxddppo.outputs.writers import METRIC_FIELDS, Progress
@@ -45,24 +45,22 @@ def small_config(tmp_path: Path, **sections) -> dict:
 
 def noisy_params(experiment):
     """Network parameters plus unit noise (the initial policy's mode balances CartPole to the
-    end; a noisy one ends episodes at different times), the same on every shard: [num_shards, ...]."""
+    end; a noisy one ends episodes at different times), one copy on every device."""
     obs = np.zeros((1,) + experiment.env.spec.obs_shape, np.float32)
     leaves, treedef = jax.tree.flatten(experiment.network.init(jax.random.key(0), obs))
     keys = jax.random.split(jax.random.key(42), len(leaves))
     noisy = [np.asarray(leaf + jax.random.normal(key, leaf.shape)) for leaf, key in zip(leaves, keys)]
-    num_shards = experiment.topology.num_shards
-    placement = sharding.shard_sharding(experiment.mesh)
-    return treedef.unflatten([jax.device_put(np.stack([leaf] * num_shards), placement) for leaf in noisy])
+    placement = sharding.shard_sharding(experiment.mesh, shards.PER_MEMBER)
+    return treedef.unflatten([jax.device_put(leaf, placement) for leaf in noisy])
 
 
 def eval_on_shards(config_values: dict, num_devices: int, update_index: int):
     """An evaluation as the run computes it, of `noisy_params`, and those parameters."""
     experiment = build(from_dict(config_values), jax.devices()[:num_devices])
     params = noisy_params(experiment)
-    update = jax.device_put(np.full(experiment.topology.num_shards, update_index, np.int32),
-                            sharding.shard_sharding(experiment.mesh))
-    stats = sharding.all_shards(experiment.eval_fn()(params, None, update, experiment.shard_inputs()))
-    return experiment, sharding.first_shard(params), stats
+    update = jax.device_put(np.int32(update_index), sharding.shard_sharding(experiment.mesh, shards.PER_MEMBER))
+    stats = experiment.eval_fn()(params, None, update, experiment.shard_inputs())
+    return experiment, sharding.local_copy(params), stats
 
 
 def test_evaluation_over_shards_matches_numpy_on_1_and_4_devices(tmp_path):
@@ -72,10 +70,10 @@ def test_evaluation_over_shards_matches_numpy_on_1_and_4_devices(tmp_path):
     for num_devices in (1, 4):
         values = small_config(tmp_path, train={"num_shards": num_devices})
         experiment, params, stats = eval_on_shards(values, num_devices, update_index)
-        for field in ("return_mean", "return_std", "length_mean"):  # identical on every shard
-            column = getattr(stats, field)
-            assert column.shape == (num_devices,) and np.all(column == column[0]), (field, column)
-        results[num_devices] = jax.tree.map(lambda column: float(column[0]), stats)
+        for field in ("return_mean", "return_std", "length_mean"):  # identical on every device
+            copies = [np.asarray(copy.data) for copy in getattr(stats, field).addressable_shards]
+            assert len(copies) == num_devices and all(copy == copies[0] for copy in copies), (field, copies)
+        results[num_devices] = jax.tree.map(float, sharding.local_copy(stats))
 
     # The reference: each episode alone, with the key of its global index, reduced in float64.
     eval_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 3), update_index)
@@ -131,8 +129,8 @@ def test_run_evaluates_on_its_cadence_with_the_current_policy(logged_run):
             assert (row[name] is not None) == evaluated, (name, row)
     # The last evaluation is of the final parameters, with the key of update 8.
     experiment = build(config, jax.devices()[:2])
-    final = sharding.first_shard(experiment.eval_fn()(result.state.params, result.state.obs_moments,
-                                                      result.state.update_index, experiment.shard_inputs()))
+    final = sharding.local_copy(experiment.eval_fn()(result.state.params, result.state.obs_moments,
+                                                     result.state.update_index, experiment.shard_inputs()))
     assert [rows[-1][name] for name in eval_names] == [
         float(final.return_mean), float(final.return_std), float(final.length_mean)
     ]

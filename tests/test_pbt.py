@@ -27,7 +27,7 @@ import pytest
 from conftest import PNG_SIGNATURE, host_leaves, subprocess_env
 
 import jaxddppo
-from jaxddppo import sharding
+from jaxddppo import sharding, shards
 from jaxddppo.config.files import from_dict, with_overrides
 from jaxddppo.config.options import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
 from jaxddppo.loss import PPOHyperparams
@@ -75,16 +75,16 @@ def test_losers_are_the_quantile_rounded_up_at_most_half():
 
 
 def bits(leaf: np.ndarray) -> np.ndarray:
-    return leaf.view(np.uint8) if leaf.dtype != np.bool_ else leaf
+    return np.atleast_1d(leaf).view(np.uint8) if leaf.dtype != np.bool_ else leaf
 
 
 def test_exploit_copies_exactly_the_winners_state():
-    """Synthetic fitness on a 2 x 2 mesh, 4 members of 2 shards: member 1 (worst, on the
+    """Synthetic fitness on a 2 x 2 mesh, 4 members: member 1 (worst, on the
     first member device) copies member 2 (best, on the second) bit for bit, -0.0 and NaN
     payloads, integers, booleans and 16-bit floats alike; the others keep their own; the
     record names who copied whom. No member's state is gathered: the program's all-gathers
     (fitness, hyperparameters) hold one value per member."""
-    num_members, num_shards = 4, 2
+    num_members = 4
     mesh = sharding.make_population_mesh(2, 2, jax.devices()[:4])
     rng = np.random.default_rng(0)
     params = rng.normal(size=(num_members, 3, 5)).astype(np.float32)
@@ -92,21 +92,21 @@ def test_exploit_copies_exactly_the_winners_state():
     carried = {"params": params, "count": np.arange(num_members, dtype=np.int32),
                "flag": np.array([False, False, True, False]),
                "half": jnp.asarray(rng.normal(size=(num_members, 7)), jnp.bfloat16)}
-    carried = jax.tree.map(lambda leaf: np.repeat(leaf[:, None], num_shards, axis=1), carried)
     hyperparams = hyperparams_of({"learning_rate": [1e-4, 3e-4, 1e-3, 3e-3]})
     state = jax.vmap(pbt.init_pbt_state)(hyperparams, jnp.repeat(jax.random.key(0)[None], num_members))
-    state = jax.tree.map(lambda leaf: jnp.repeat(leaf[:, None], num_shards, axis=1), state)
-    fitness = np.repeat(np.array([5.0, 1.0, 9.0, 7.0], np.float32)[:, None], num_shards, axis=1)
+    fitness = np.array([5.0, 1.0, 9.0, 7.0], np.float32)
     the_settings = settings(num_members)
 
     def step(carried, state, fitness):  # keys pass as their raw data (host arrays)
         state = state.replace(key=jax.random.wrap_key_data(state.key))
-        carried, state = pbt.exploit(the_settings, carried, state, fitness[:, 0], jnp.int32(4))
+        carried, state = pbt.exploit(the_settings, carried, state, fitness, jnp.int32(4))
         return carried, state.replace(key=jax.random.key_data(state.key))
 
-    run = sharding.shard_parallel(step, mesh, over_members=False)
+    member = shards.PER_MEMBER
+    run = sharding.shard_parallel(step, mesh, over_members=False, in_layouts=(member, member, member),
+                                  out_layouts=member)
     state = state.replace(key=jax.random.key_data(state.key))
-    arguments = sharding.put_members((carried, state, fitness), mesh)
+    arguments = sharding.put_members((carried, state, fitness), mesh, member)
     gathered = [line for line in run.lower(*arguments).compile().as_text().splitlines()
                 if " all-gather(" in line or " all-gather-start(" in line]
     gathered_shapes = {shape for line in gathered
@@ -119,11 +119,11 @@ def test_exploit_copies_exactly_the_winners_state():
         np.testing.assert_array_equal(bits(got[name][[0, 2, 3]]), bits(carried[name][[0, 2, 3]]))
         np.testing.assert_array_equal(bits(got[name][1]), bits(carried[name][2]))
     record = sharding.all_shards(new_state)
-    assert np.asarray(record.copied_from)[:, 0].tolist() == [-1, 2, -1, -1]
-    learning_rates = np.asarray(record.hyperparams.learning_rate)[:, 0]
+    assert np.asarray(record.copied_from).tolist() == [-1, 2, -1, -1]
+    learning_rates = np.asarray(record.hyperparams.learning_rate)
     np.testing.assert_array_equal(learning_rates[[0, 2, 3]], np.asarray(hyperparams.learning_rate)[[0, 2, 3]])
     assert learning_rates[1] != np.float32(3e-4)
-    np.testing.assert_array_equal(np.asarray(record.previous.learning_rate)[:, 0], hyperparams.learning_rate)
+    np.testing.assert_array_equal(np.asarray(record.previous.learning_rate), hyperparams.learning_rate)
     assert np.asarray(record.episodes).sum() == 0
 
 

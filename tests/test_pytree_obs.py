@@ -158,9 +158,11 @@ def test_observation_moments_are_per_leaf_and_leave_the_mask_alone():
         moments = init_observation_moments(spec)
         for batch in samples:
             moments = update_moments(moments, batch, shards.DeviceShards())
-        return shards.copies(moments, 1), normalize(moments, samples[-1])
+        return moments, normalize(moments, samples[-1])
 
-    moments, normalised = sharding.first_shard(sharding.shard_parallel(per_device, mesh)(batches))
+    program = sharding.shard_parallel(per_device, mesh, out_layouts=(shards.PER_MEMBER, shards.PER_SHARD))
+    moments, normalised = program(batches)
+    moments, normalised = sharding.local_copy(moments), sharding.first_shard(normalised)
     assert moments.mean["action_mask"] is None and moments.m2["action_mask"] is None
     assert float(moments.count) == 24
     for name in ("image", "vector"):
@@ -191,7 +193,7 @@ def walk_experiment(num_devices: int, **network):
 def learn(experiment):
     """Three updates in one chunk: the initial parameters (shard 0, on the host) and the final state."""
     state = experiment.init_state()
-    initial_params = sharding.first_shard(state.params)
+    initial_params = sharding.local_copy(state.params)
     count = update_count(experiment.mesh, 3)
     state, metrics, finite = experiment.learn_fn()(state, experiment.shard_inputs(), count)
     assert np.all(np.asarray(finite))
@@ -215,12 +217,12 @@ def trained_on_one_and_two_devices():
 def test_training_on_dict_observations_is_the_same_on_one_and_two_devices(trained_on_one_and_two_devices):
     _, initial, one = trained_on_one_and_two_devices[1]
     _, _, two = trained_on_one_and_two_devices[2]
-    assert relative_l2(sharding.first_shard(one.params), initial) > 1e-4
-    assert relative_l2(sharding.first_shard(two.params), sharding.first_shard(one.params)) < 1e-6
-    moments = sharding.first_shard(one.obs_moments)
+    assert relative_l2(sharding.local_copy(one.params), initial) > 1e-4
+    assert relative_l2(sharding.local_copy(two.params), sharding.local_copy(one.params)) < 1e-6
+    moments = sharding.local_copy(one.obs_moments)
     assert moments.mean["action_mask"] is None and moments.mean["image"].shape == (5, 5, 3)
     assert float(moments.count) == 8 * 8 * 3
-    params = sharding.first_shard(one.params)["params"]["actor_torso"]
+    params = sharding.local_copy(one.params)["params"]["actor_torso"]
     assert set(params) == {"Conv_0", "Dense_0"}
     assert params["Dense_0"]["kernel"].shape == (3 * 3 * 2 + 4, 8)  # CNN features, then the vector
 
@@ -246,7 +248,7 @@ def test_a_dict_observation_state_checkpoints_and_evaluates(trained_on_one_and_t
 def test_a_recurrent_policy_trains_on_dict_observations():
     experiment = walk_experiment(1, recurrent="gru", recurrent_size=8, torso="mlp", shared_torso=True)
     initial, state = learn(experiment)
-    assert relative_l2(sharding.first_shard(state.params), initial) > 1e-4
+    assert relative_l2(sharding.local_copy(state.params), initial) > 1e-4
 
 
 def masked_spec(**changes) -> EnvSpec:

@@ -188,11 +188,11 @@ def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollou
 
     def gradients(num_shards: int):
         mesh = sharding.make_mesh(jax.devices()[:num_shards])
-        per_device = lambda b: shards.copies(mean_gradients(
-            params, b, loss_apply_fn(network), hyperparams, True, shards.DeviceShards())[0], 1)
+        per_device = lambda b: mean_gradients(params, b, loss_apply_fn(network), hyperparams, True,
+                                              shards.DeviceShards())[0]
         envs = jnp.arange(4).reshape(num_shards, -1)
         split = jax.tree.map(lambda *x: jnp.stack(x), *[take_sequences(batch, e) for e in envs])
-        return sharding.first_shard(sharding.shard_parallel(per_device, mesh)(split))
+        return sharding.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=shards.PER_MEMBER)(split))
 
     single, sharded = gradients(1), gradients(2)
     a, b = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]) for g in (sharded, single))

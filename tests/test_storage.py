@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_env
 
@@ -24,7 +25,7 @@ from jaxddppo.outputs import writers
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import run
 from jaxddppo.training import checkpoint
-from jaxddppo.training.checkpoint import CheckpointDamaged, Checkpointer
+from jaxddppo.training.checkpoint import CheckpointDamaged, CheckpointError, Checkpointer
 from jaxddppo.training.experiment import build
 from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
 
@@ -60,7 +61,7 @@ def test_digest_sees_every_changed_bit_and_no_placement(one_go):
     for index in (0, key_leaf, len(leaves) // 2, len(leaves) - 1):
         raw = np.array(jax.random.key_data(leaves[index]) if jax.dtypes.issubdtype(
             leaves[index].dtype, jax.dtypes.prng_key) else leaves[index])
-        flat = raw.view(np.uint8).reshape(-1)
+        flat = raw.reshape(-1).view(np.uint8)
         flat[flat.size // 2] ^= 1
         changed = jax.device_put(raw, leaves[index].sharding)
         if jax.dtypes.issubdtype(leaves[index].dtype, jax.dtypes.prng_key):
@@ -82,9 +83,9 @@ def test_a_flipped_bit_is_set_aside_and_the_resume_is_exact(one_go, tmp_path, mo
     flip_a_stored_bit(run_dir / "checkpoints" / "8")
     checkpointer = Checkpointer(str(run_dir), read_only=True)
     target = build(load_resume_config(str(run_dir)), devices=jax.devices()[:4]).abstract_state()
-    with monkeypatch.context() as patch:  # orbax alone reads it back without a word
-        patch.setattr(checkpoint, "_DIGEST_ITEM", "not_the_digest")
-        checkpointer.restore(8, target)
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")  # orbax alone reads it back without a word
+    manager.restore(8, args=ocp.args.Composite(state=ocp.args.StandardRestore(checkpoint._without_empty_leaves(target))))
+    manager.close()
     with pytest.raises(CheckpointDamaged, match=r"/checkpoints/8 is damaged: state digest [0-9a-f]{16}, "):
         checkpointer.restore(8, target)
     assert checkpointer.verify(8, target)[0] is False and checkpointer.verify(4, target) == (True, "intact")
@@ -127,8 +128,8 @@ def save_without_digest(self, state, counters, checksum=None):
         counters=ocp.args.JsonSave(checkpoint._counters_record(counters))))
 
 
-def test_a_checkpoint_without_a_digest_is_restored_with_a_warning(tmp_path, monkeypatch):
-    """Checkpoints of jaxddppo before digests: restored, named unverified, never called intact."""
+def test_a_checkpoint_without_its_digest_is_never_called_intact(tmp_path, monkeypatch):
+    """A checkpoint whose digest is missing cannot be checked: it is unreadable, and skipped."""
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
         patch.setattr(Checkpointer, "save", save_without_digest)
@@ -136,12 +137,11 @@ def test_a_checkpoint_without_a_digest_is_restored_with_a_warning(tmp_path, monk
     assert not (run_dir / "checkpoints" / "4" / "digest").exists()
     target = build(load_resume_config(str(run_dir)), devices=jax.devices()[:1]).abstract_state()
     checkpointer, warnings = Checkpointer(str(run_dir), read_only=True), []
-    _, counters = checkpointer.restore_latest(target, warnings.append)
-    assert counters.update == 4 and warnings == [
-        f"warning: checkpoint {run_dir / 'checkpoints' / '4'} has no digest (written before jaxddppo recorded them): "
-        "restored unverified"]
-    assert checkpointer.verify(4, target) == (None, "no digest (unverified)")
-    assert "has no digest to verify it by" in checkpointer.newest_intact(target)
+    intact, verdict = checkpointer.verify(4, target)
+    assert not intact and verdict.startswith("unreadable ("), verdict
+    with pytest.raises(CheckpointError, match=r"none of the 1 checkpoint\(s\) .* is intact"):
+        checkpointer.restore_latest(target, warnings.append)
+    assert len(warnings) == 1 and "is unreadable, skipped" in warnings[0]
     checkpointer.close()
 
 
@@ -325,7 +325,7 @@ def test_a_damaged_sweep_checkpoint_is_found_and_set_aside(tmp_path, monkeypatch
     done = run_sweep(config, seeds=2, devices=jax.devices()[:2])
     leaves, treedef = jax.tree.flatten(done.state)
     changed = np.array(leaves[0])
-    changed[1, 1].reshape(-1)[0] = np.nextafter(changed[1, 1].reshape(-1)[0], np.float32(np.inf))
+    changed[1].reshape(-1)[0] = np.nextafter(changed[1].reshape(-1)[0], np.float32(np.inf))
     leaves[0] = jax.device_put(changed, leaves[0].sharding)
     assert sharding.state_digest(jax.tree.unflatten(treedef, leaves)) != sharding.state_digest(done.state)
 

@@ -215,7 +215,7 @@ def test_an_object_without_a_reference_is_recorded_and_must_be_passed_again(user
         load_policy(str(run_dir), env=corridor)
     policy = load_policy(str(run_dir), env=corridor, torso=NotebookTorso)
     assert np.all(np.asarray(policy.params["params"]["actor_torso"]["Dense_0"]["kernel"])
-                  == np.asarray(result.state.params["params"]["actor_torso"]["Dense_0"]["kernel"][0]))
+                  == np.asarray(result.state.params["params"]["actor_torso"]["Dense_0"]["kernel"]))
     assert (run_dir / "config.yaml").read_text() == recorded
 
     # A class of an importable module is recorded by its reference, which needs no object later.

@@ -262,7 +262,7 @@ class DebugConfig:
     """Checks for debugging."""
 
     check_replicas: bool = _opt(
-        False, "after every chunk, compare a parameter digest of every shard on every process; stop on divergence"
+        False, "after every chunk, compare the parameters held by every device of every process; stop on divergence"
     )
 
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxddppo.config.options import Config, DistributedConfig
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.sharding import is_population, shard_checksums
+from jaxddppo.sharding import is_population, replica_checksums
 
 
 def broadcast_text(text: str, max_bytes: int = 4096) -> str:
@@ -103,23 +103,23 @@ def initialize_distributed(config: DistributedConfig) -> None:
 
 
 class ReplicaDivergence(RuntimeError):
-    """Shards hold different parameters; the message is one line."""
+    """Devices hold different copies of the parameters; the message is one line."""
 
 
 def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
-    """Raise ReplicaDivergence unless, within every member, every shard on every process
-    holds bitwise the same params."""
-    checksums = shard_checksums(params, mesh)
+    """Raise ReplicaDivergence unless, within every member, every device of every process
+    holds bitwise the same per-member `params`."""
+    checksums = replica_checksums(params, mesh)
     population = is_population(mesh)
     for member, row in enumerate(checksums.reshape(-1, checksums.shape[-1])):
         _raise_on_divergence(row, after_update, f" of member {member}" if population else "")
 
 
-def _raise_on_divergence(every_shard: np.ndarray, after_update: int, whose: str) -> None:
-    differing = [int(i) for i in np.flatnonzero(every_shard != every_shard[0])]
+def _raise_on_divergence(every_device: np.ndarray, after_update: int, whose: str) -> None:
+    differing = [int(i) for i in np.flatnonzero(every_device != every_device[0])]
     if differing:
         raise ReplicaDivergence(
-            f"replicas{whose} diverged after update {after_update}: shard(s) {differing} differ from shard 0 "
-            f"(parameter bit checksums {every_shard.tolist()}); check that every host runs the same "
+            f"replicas{whose} diverged after update {after_update}: device(s) {differing} differ from device 0 "
+            f"(parameter bit checksums {every_device.tolist()}); check that every host runs the same "
             "jaxddppo, JAX and jaxlib versions"
         )

@@ -87,10 +87,10 @@ def load_policy(run_dir: str, step: Optional[int] = None,
                 report: Callable[[str], None] = warnings.warn, *, env: Any = None, torso: Any = None) -> Policy:
     """The policy of `run_dir`'s newest intact checkpoint (or of checkpoint `step`).
 
-    Works on any number of devices: the run's shards are restored onto one local device.
+    Works on any number of devices: the run's state is restored onto one local device.
     Raises ConfigError or CheckpointError (one-line messages) for a bad directory or a
-    damaged `step`; unreadable or damaged newer checkpoints that were skipped, and a
-    checkpoint without a digest, are passed to `report`. A run trained on an environment or
+    damaged `step`; unreadable or damaged newer checkpoints that were skipped are passed to
+    `report`. A run trained on an environment or
     torso object without an importable reference needs the same `env` or `torso` again.
     """
     config, objects = with_objects(load_resume_config(run_dir), env, torso)
@@ -101,9 +101,9 @@ def load_policy(run_dir: str, step: Optional[int] = None,
         if step is None:
             state, counters = checkpointer.restore_latest(target, report)
         else:
-            state, counters = checkpointer.restore(step, target, report)
+            state, counters = checkpointer.restore(step, target)
     finally:
         checkpointer.close()
     return Policy(config=config, env=experiment.env, network=experiment.network,
-                  params=sharding.first_shard(state.params), obs_moments=sharding.first_shard(state.obs_moments),
+                  params=sharding.local_copy(state.params), obs_moments=sharding.local_copy(state.obs_moments),
                   counters=counters)

@@ -1,7 +1,8 @@
 """Checkpoints: the whole training state and the run's counters, saved with orbax.
 
 A checkpoint is `RUN_DIR/checkpoints/<update>/` holding the global `TrainState`
-(every shard's parameters, optimizer state, environment states and keys) and a
+(every member's parameters, optimizer state and statistics, once; every shard's
+environment states and keys) and a
 small JSON record of the host-side counters, and a digest of both (`sharding.state_digest`
 of the state, a hash of the counters) taken from the arrays in memory. Orbax writes a step
 to a temporary directory and renames it when complete, so a save killed part-way never
@@ -20,7 +21,7 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,17 +32,11 @@ from jax.experimental import multihost_utils
 from jaxddppo import sharding
 
 CHECKPOINT_SUBDIR = "checkpoints"
-# The layout of the saved state, recorded beside the counters. 2: the optimizer state
-# follows the parameter tree. Checkpoints without it (jaxddppo before format 2 kept the
-# optimizer state over the parameters laid end to end) are refused. 3: the reset pools
-# record pending slots (`envs/resets.py`); a format-2 checkpoint, saved when no restart
-# was left half done, is read with none pending.
-CHECKPOINT_FORMAT = 3
-READ_FORMATS = (2, 3)
-_PENDING_SLOT = "pending_slot"
+# The layout of the saved state, recorded beside the counters; another is refused. 4: the
+# parameters, optimizer state and statistics are saved once per member, not once per shard
+# (formats 1 to 3, and checkpoints without a digest, come from earlier versions of 0.1.0).
+CHECKPOINT_FORMAT = 4
 _FORMAT_KEY = "checkpoint_format"
-# The digest item of a checkpoint. Checkpoints without one (jaxddppo before digests) are
-# restored with a warning that they are unverified; `verify` reports them as such.
 _DIGEST_ITEM = "digest"
 _TEMPORARY = "*.orbax-checkpoint-tmp*"  # orbax's name for a step being written
 
@@ -100,54 +95,23 @@ def _without_empty_leaves(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
 
 
-def _is_pending_slot(path: tuple) -> bool:
-    return bool(path) and getattr(path[-1], "name", None) == _PENDING_SLOT
-
-
-def _has_pending_slots(node: Any) -> bool:
-    return is_dataclass(node) and any(field.name == _PENDING_SLOT for field in fields(node))
-
-
-def _format_2_target(tree: Any) -> Any:
-    """`tree` laid out as a format-2 checkpoint holds it, to restore into: each reset pool a
-    dict of its fields but the pending slots (orbax matches a saved tree by its keys)."""
-
-    def saved(node: Any) -> Any:
-        if not _has_pending_slots(node):
-            return node
-        return {field.name: getattr(node, field.name) for field in fields(node) if field.name != _PENDING_SLOT}
-
-    return jax.tree.map(saved, tree, is_leaf=_has_pending_slots)
-
-
-def _without_pending_slots(tree: Any) -> Any:
-    """`tree`'s leaves as a format-2 checkpoint saved them, in their order (its digest's)."""
-    return jax.tree_util.tree_map_with_path(lambda path, leaf: None if _is_pending_slot(path) else leaf, tree)
-
-
 def _path_names(path: tuple) -> tuple:
     return tuple(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key)))) for key in path)
 
 
-def _with_unsaved_leaves(restored: Any, abstract: Any, pending_slots_saved: bool) -> Any:
+def _with_unsaved_leaves(restored: Any, abstract: Any) -> Any:
     """The tree `abstract` describes (shapes, dtypes, shardings) from the `restored` one: the
-    zero-size arrays, which `_without_empty_leaves` left out, come back, holding no values;
-    without `pending_slots_saved` (format 2) the pending slots come back too, all -1."""
+    zero-size arrays, which `_without_empty_leaves` left out, come back, holding no values."""
     restored_leaves = {_path_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
     abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
-    def filled(leaf: Any, value: int) -> jax.Array:
-        values = np.full(leaf.shape, value, leaf.dtype)
+    def empty(leaf: Any) -> jax.Array:
         if getattr(leaf, "sharding", None) is None:
-            return jax.numpy.asarray(values)
-        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: values[index])
+            return jax.numpy.zeros(leaf.shape, leaf.dtype)
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: np.zeros(leaf.shape, leaf.dtype)[index])
 
     def leaf_of(path: tuple, leaf: Any) -> Any:
-        if _is_empty(leaf):
-            return filled(leaf, 0)
-        if not pending_slots_saved and _is_pending_slot(path):
-            return filled(leaf, -1)
-        return restored_leaves[_path_names(path)]
+        return empty(leaf) if _is_empty(leaf) else restored_leaves[_path_names(path)]
 
     return jax.tree.unflatten(treedef, [leaf_of(path, leaf) for path, leaf in abstract_leaves])
 
@@ -200,47 +164,35 @@ class Checkpointer:
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def restore(self, step: int, abstract_state: Any,
-                report: Callable[[str], None] = lambda message: None) -> tuple[Any, RunCounters]:
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, RunCounters]:
         """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings), checked
-        against its digest: CheckpointDamaged if it differs. A checkpoint without a digest is
-        restored unverified, with a warning to `report`. Every process verifies the same
+        against its digest: CheckpointDamaged if it differs. Every process verifies the same
         digest of the global state, and reads only if all of them could."""
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
         counters_only = ocp.args.Composite(counters=ocp.args.JsonRestore())
         record = dict(self._manager.restore(step, args=counters_only)["counters"])
         written_format = record.get(_FORMAT_KEY, 1)
-        if written_format not in READ_FORMATS:
+        if written_format != CHECKPOINT_FORMAT:
             raise CheckpointFormatError(
-                f"checkpoint {self.path(step)} has format {written_format}, this jaxddppo "
-                f"reads formats {READ_FORMATS[0]} to {READ_FORMATS[-1]} only (the version that wrote it "
-                "can still read it); start a new run"
+                f"checkpoint {self.path(step)} has format {written_format}, this jaxddppo reads format "
+                f"{CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
             )
-        has_digest = os.path.isdir(os.path.join(self.path(step), _DIGEST_ITEM))
-        pending_slots_saved = written_format >= 3
-        saved = abstract_state if pending_slots_saved else _format_2_target(abstract_state)
-        items = {"state": ocp.args.StandardRestore(_without_empty_leaves(saved))}
-        if has_digest:
-            items[_DIGEST_ITEM] = ocp.args.JsonRestore()
+        items = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty_leaves(abstract_state)),
+                                   **{_DIGEST_ITEM: ocp.args.JsonRestore()})
         error = None
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+            restored = self._manager.restore(step, args=items)
         except Exception as caught:  # orbax and tensorstore raise many types for damaged files
             error = caught
         if not _everywhere(error is None):
             raise error or CheckpointError(f"checkpoint {self.path(step)} could not be read by another process")
-        state = _with_unsaved_leaves(restored["state"], abstract_state, pending_slots_saved)
-        if has_digest:
-            as_saved = state if pending_slots_saved else _without_pending_slots(state)
-            recorded, found = dict(restored[_DIGEST_ITEM]), _digest(as_saved, record)
-            differing = [f"{part} digest {found[part]}, {recorded.get(part)} when saved"
-                         for part in found if found[part] != recorded.get(part)]
-            if differing:
-                raise CheckpointDamaged(f"checkpoint {self.path(step)} is damaged: {'; '.join(differing)}")
-        else:
-            report(f"warning: checkpoint {self.path(step)} has no digest (written before jaxddppo recorded "
-                   "them): restored unverified")
+        state = _with_unsaved_leaves(restored["state"], abstract_state)
+        recorded, found = dict(restored[_DIGEST_ITEM]), _digest(state, record)
+        differing = [f"{part} digest {found[part]}, {recorded.get(part)} when saved"
+                     for part in found if found[part] != recorded.get(part)]
+        if differing:
+            raise CheckpointDamaged(f"checkpoint {self.path(step)} is damaged: {'; '.join(differing)}")
         counters = {key: value for key, value in record.items() if key != _FORMAT_KEY}
         expected = [field.name for field in fields(RunCounters)]
         if sorted(counters) != sorted(expected):
@@ -251,19 +203,18 @@ class Checkpointer:
         counters["final_episode_returns"] = tuple(counters["final_episode_returns"])
         return state, RunCounters(**counters)
 
-    def verify(self, step: int, abstract_state: Any) -> tuple[Optional[bool], str]:
-        """(True: intact, False: damaged or unreadable, None: readable but without a digest;
-        a few words that say which). Reads the whole checkpoint; changes nothing."""
-        unverified: list[str] = []
+    def verify(self, step: int, abstract_state: Any) -> tuple[bool, str]:
+        """(True: intact, False: damaged, unreadable or of another format; a few words that say
+        which). Reads the whole checkpoint; changes nothing."""
         try:
-            self.restore(step, abstract_state, unverified.append)
+            self.restore(step, abstract_state)
         except CheckpointFormatError as error:
             return False, str(error)
         except CheckpointDamaged:
             return False, "damaged (its digest differs from the one recorded when it was saved)"
         except Exception as error:
             return False, f"unreadable ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
-        return (None, "no digest (unverified)") if unverified else (True, "intact")
+        return True, "intact"
 
     def newest_intact(self, abstract_state: Any) -> str:
         """A phrase naming the newest checkpoint that verifies (reading them back, newest
@@ -271,8 +222,6 @@ class Checkpointer:
         newer = []
         for step in reversed(self.steps()):
             intact, verdict = self.verify(step, abstract_state)
-            if intact is None:
-                return f"the newest checkpoint, {self.path(step)}, reads back but has no digest to verify it by"
             if intact:
                 return (f"the newest intact checkpoint is {self.path(step)} (newer: {', '.join(newer)})" if newer
                         else f"the newest checkpoint, {self.path(step)}, is intact")
@@ -302,7 +251,7 @@ class Checkpointer:
 
         for step in reversed(steps):
             try:
-                restored = self.restore(step, abstract_state, report)
+                restored = self.restore(step, abstract_state)
             except CheckpointFormatError:
                 report_rejected(moved=False)
                 raise

@@ -77,15 +77,18 @@ class Member:
 
 @struct.dataclass
 class ShardInputs:
-    """Each shard's traced inputs, leaves leading with the state axes ([num_shards] for a
-    run, [num_members, num_shards] for a population): its global index within its member,
-    and its member's seed and hyperparameters. They are arguments, not constants of the
-    programs, so that one compiled program serves every seed and every hyperparameter
-    (and JAX's persistent compilation cache serves a run with other ones)."""
+    """The programs' traced inputs: each shard's global index within its member (per shard),
+    and each member's seed and hyperparameters (per member; `layout`). They are arguments,
+    not constants of the programs, so that one compiled program serves every seed and every
+    hyperparameter (and JAX's persistent compilation cache serves a run with other ones)."""
 
     shard_index: jax.Array
     seed: jax.Array
     hyperparams: PPOHyperparams
+
+    @classmethod
+    def layout(cls) -> ShardInputs:
+        return shards.field_layouts(cls, ("shard_index",))
 
 
 @dataclass(frozen=True)
@@ -112,11 +115,15 @@ class Experiment:
     def batch_members(self) -> bool:
         return self.config.train.batch_members
 
+    @property
+    def state_layout(self) -> TrainState:
+        return (TrainState if self.pbt is None else pbt.PBTTrainState).layout()
+
     def init_fn(self) -> Callable[[ShardInputs], TrainState]:
-        """`(shard_inputs) -> TrainState`: the initial global state, leaves leading with the state axes."""
+        """`(shard_inputs) -> TrainState`: the initial global state, placed as `state_layout` says."""
         pbt_key = jax.random.fold_in(jax.random.key(self.config.train.seed), 4)
 
-        def init_shard(shard: ShardInputs) -> TrainState:
+        def init(shard: ShardInputs) -> TrainState:
             state = init_train_state(
                 shard.shard_index, shard.seed, self.env, self.network,
                 self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
@@ -127,73 +134,70 @@ class Experiment:
 
         # The shards' initial states are keys and elementwise draws, which batching leaves alone
         # (tests/test_sharding.py compares them on 1, 2 and 4 devices).
-        return sharding.shard_parallel(sharding.per_shard(init_shard), self.mesh, batch_members=self.batch_members)
+        return sharding.shard_parallel(init, self.mesh, batch_members=self.batch_members,
+                                       in_layouts=(ShardInputs.layout(),), out_layouts=self.state_layout)
 
     def shard_inputs(self) -> ShardInputs:
-        num_shards = self.topology.num_shards
-        per_shard = lambda per_member: np.repeat(np.asarray(per_member)[:, None], num_shards, axis=1)
         hyperparams = [PPOHyperparams.from_config(member.config.ppo) for member in self.members]
         return sharding.put_members(ShardInputs(
-            shard_index=np.tile(np.arange(num_shards, dtype=np.int32), (len(self.members), 1)),
-            seed=per_shard(np.array([member.seed for member in self.members], np.int32)),
-            hyperparams=jax.tree.map(lambda *leaves: per_shard(np.stack(leaves)), *hyperparams),
-        ), self.mesh)
+            shard_index=np.tile(np.arange(self.topology.num_shards, dtype=np.int32), (len(self.members), 1)),
+            seed=np.array([member.seed for member in self.members], np.int32),
+            hyperparams=jax.tree.map(lambda *leaves: np.stack(leaves), *hyperparams),
+        ), self.mesh, ShardInputs.layout())
 
     def init_state(self) -> TrainState:
-        """The global training state, split over the mesh."""
+        """The global training state, placed on the mesh."""
         return self.init_fn()(self.shard_inputs())
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of `init_state()`, computing nothing (a restore target)."""
-        placement = sharding.shard_sharding(self.mesh)
-        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
-                            jax.eval_shape(self.init_fn(), self.shard_inputs()))
+        shapes = jax.eval_shape(self.init_fn(), self.shard_inputs())
+        return jax.tree.map(lambda leaf, placement: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement),
+                            shapes, sharding.leaf_placements(self.state_layout, shapes, self.mesh))
 
     def learn_fn(self) -> Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]:
         """`(state, shard_inputs, num_updates)`: up to `updates_per_chunk` updates of every
         member in one jitted call, as many as `num_updates` says (`update_count(mesh, n)`).
-        Returns the new state, the metrics (leaves [..., updates_per_chunk] after the state
-        axes, see `run_updates`) and whether every parameter is finite afterwards (a bool
-        per shard, checked in the same program to spare the host loop a call)."""
+        Returns the new state, the metrics (per member, leaves [..., updates_per_chunk], see
+        `run_updates`) and whether every parameter is finite afterwards (a bool per member,
+        checked in the same program to spare the host loop a call)."""
         update = make_update(self.env, self.network, self.settings)
         capacity = self.topology.updates_per_chunk
 
         def learn(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                   ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
-            member_pbt = None if self.pbt is None else shards.one_copy(state.pbt)
-            hyperparams = shards.one_copy(shard.hyperparams) if member_pbt is None else member_pbt.hyperparams
+            hyperparams = shard.hyperparams if self.pbt is None else state.pbt.hyperparams
             state, metrics = run_updates(update, hyperparams, state, num_updates, capacity)
-            shards_per_device = shard.shard_index.shape[0]
-            if member_pbt is not None:
-                member_pbt = pbt.accumulate(member_pbt, metrics.episode_return_mean, metrics.episodes_completed)
-                state = state.replace(pbt=shards.copies(member_pbt, shards_per_device))
-            finite = all_finite(state.params)
-            return state, shards.copies(metrics, shards_per_device), shards.copies(finite, shards_per_device)
+            if self.pbt is not None:
+                state = state.replace(pbt=pbt.accumulate(state.pbt, metrics.episode_return_mean,
+                                                         metrics.episodes_completed))
+            return state, metrics, all_finite(state.params)
 
+        layouts = dict(in_layouts=(self.state_layout, ShardInputs.layout(), None),
+                       out_layouts=(self.state_layout, shards.PER_MEMBER, shards.PER_MEMBER))
         if self.pbt is None:
             return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
-                                          batch_members=self.batch_members)
+                                          batch_members=self.batch_members, **layouts)
         learn_members = shards.over_leading_axis(learn, (2,), batched=self.batch_members)
 
         def learn_and_exploit(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                               ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
             state, metrics, finite = learn_members(state, shard, num_updates)
-            update_index = state.update_index[0, 0]
-            state = jax.lax.cond(self.pbt.due(update_index), lambda state: self._exploit(state, shard),
+            state = jax.lax.cond(self.pbt.due(state.update_index[0]), lambda state: self._exploit(state, shard),
                                  lambda state: state, state)
             return state, metrics, finite
 
         return sharding.shard_parallel(learn_and_exploit, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
-                                      over_members=False)
+                                      over_members=False, **layouts)
 
     def _exploit(self, state: TrainState, shard: ShardInputs) -> TrainState:
-        """PBT's step on a device's members (leaves [members_per_device, shards_per_device, ...])."""
-        update_index = state.update_index[0, 0]
+        """PBT's step on a device's members (leaves [members_per_device, ...])."""
+        update_index = state.update_index[0]
         if self.pbt.fitness == "eval_return":
             evaluate = shards.over_leading_axis(self._evaluate, (), batched=self.batch_members)
-            fitness = evaluate(state.params, state.obs_moments, state.update_index, shard).return_mean[:, 0]
+            fitness = evaluate(state.params, state.obs_moments, state.update_index, shard).return_mean
         else:
-            fitness = jax.vmap(jax.vmap(pbt.interval_fitness))(state.pbt)[:, 0]
+            fitness = jax.vmap(pbt.interval_fitness)(state.pbt)
         carried = (state.params, state.opt_state, state.obs_moments, state.return_moments)
         carried, pbt_state = pbt.exploit(self.pbt, carried, state.pbt, fitness, update_index)
         params, opt_state, obs_moments, return_moments = carried
@@ -201,28 +205,27 @@ class Experiment:
                              return_moments=return_moments, pbt=pbt_state)
 
     def eval_fn(self) -> Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]:
-        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, every argument and leaf per shard.
+        """`(params, obs_moments, update_index, shard_inputs) -> EvalStats`, per member but the inputs.
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
-        return sharding.shard_parallel(self._evaluate, self.mesh, batch_members=self.batch_members)
+        member = shards.PER_MEMBER
+        return sharding.shard_parallel(self._evaluate, self.mesh, batch_members=self.batch_members,
+                                       in_layouts=(member, member, member, ShardInputs.layout()), out_layouts=member)
 
     def _evaluate(self, params: Any, obs_moments: Any, update_index: jax.Array, shard: ShardInputs) -> EvalStats:
         """`eval_fn` on one member's shards of a device."""
-        params, obs_moments, update_index, seed = shards.one_copy((params, obs_moments, update_index, shard.seed))
-        eval_root = jax.random.fold_in(jax.random.key(seed), 3)
-        stats = evaluate_on_shards(
+        eval_root = jax.random.fold_in(jax.random.key(shard.seed), 3)
+        return evaluate_on_shards(
             self.env, self.network, params, jax.random.fold_in(eval_root, update_index), shard.shard_index,
             self.config.eval.num_episodes, self.topology.num_shards, self.settings.shards, obs_moments,
         )
-        return shards.copies(stats, shard.shard_index.shape[0])
 
     def final_evaluations(self, state: TrainState, program: Optional[jax.stages.Compiled] = None
                           ) -> list[EvalResult]:
-        """Every member's final deterministic evaluation of its shard 0, on the host, one
-        member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
+        """Every member's final deterministic evaluation, on the host, one member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
         `program` (`Programs.final_evaluate`), else compiled now."""
-        params, obs_moments = sharding.member_first_shards((state.params, state.obs_moments), self.mesh)
+        params, obs_moments = sharding.member_values((state.params, state.obs_moments), self.mesh)
         evaluate = program if program is not None else self.lower_final_evaluation(state).compile()
         return [
             evaluate(jax.tree.map(lambda leaf: leaf[member.index], params), final_eval_key(member.config),
@@ -232,13 +235,13 @@ class Experiment:
 
     def lower_final_evaluation(self, state: TrainState) -> jax.stages.Lowered:
         """`final_evaluations`' program, lowered from the shapes of `state` (its leaves, or
-        their shapes and dtypes) for one member's shard on this process's default device."""
-        state_axes = 2 if sharding.is_population(self.mesh) else 1  # [members,] shards
+        their shapes and dtypes) for one member on this process's default device."""
+        member_axes = 1 if sharding.is_population(self.mesh) else 0
 
-        def one_shard(leaf: Any) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(leaf.shape[state_axes:], leaf.dtype)
+        def one_member(leaf: Any) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(leaf.shape[member_axes:], leaf.dtype)
 
-        params, obs_moments = jax.tree.map(one_shard, (state.params, state.obs_moments))
+        params, obs_moments = jax.tree.map(one_member, (state.params, state.obs_moments))
         key = jax.eval_shape(lambda: final_eval_key(self.config))
         return evaluate_policy_program.lower(
             self.env, self.network, params, key, self.config.eval.num_episodes, obs_moments)
@@ -341,7 +344,7 @@ class Programs:
     init: Callable[[ShardInputs], TrainState]
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
-    checksum: Callable[[TrainState], jax.Array]  # a checkpoint's digest (`sharding.shard_checksums`)
+    checksum: Callable[..., tuple[jax.Array, jax.Array]]  # a checkpoint's digest (`sharding.state_checksums`)
     final_evaluate: Optional[jax.stages.Compiled]  # `Experiment.final_evaluations`' program, if asked for
 
     def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
@@ -352,7 +355,7 @@ class Programs:
         if self.evaluate is None or updates_done % every_updates:
             return None
         stats = self.evaluate(state.params, state.obs_moments, state.update_index, self.inputs)
-        return sharding.member_first_shards(stats, mesh)
+        return sharding.member_values(stats, mesh)
 
 
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
@@ -382,7 +385,8 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         ), tuned())
     if final_evaluation:
         lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
-    lowerings["checksum"] = (lambda: sharding.checksum_program(experiment.mesh).lower(state), tuned())
+    lowerings["checksum"] = (lambda: sharding.checksum_program(experiment.mesh).lower(*sharding.by_layout(state)),
+                             tuned())
     lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
         futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in lowerings.items()}

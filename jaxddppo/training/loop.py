@@ -118,7 +118,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     for size in sizes:
         chunk_start = time.perf_counter()
         state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
-        metrics, params_finite, exploits = sharding.member_first_shards(  # blocks
+        metrics, params_finite, exploits = sharding.member_values(  # blocks
             (metrics, params_finite, pbt_record(state)), mesh)
         per_member = [jax.tree.map(lambda column: column[member, :size], metrics) for member in range(num_members)]
         chunk_seconds = time.perf_counter() - chunk_start
@@ -331,7 +331,7 @@ def open_pbt_log(experiment: Experiment, run_dir: str, state: TrainState, update
     appends to the rows `restore_run` kept. A collective in a multi-process run."""
     if experiment.pbt is None:
         return None
-    record = sharding.member_first_shards(pbt_record(state), experiment.mesh) if update == 0 else None
+    record = sharding.member_values(pbt_record(state), experiment.mesh) if update == 0 else None
     if jax.process_index() != 0:
         return None
     path = os.path.join(run_dir, PBT_FILE)

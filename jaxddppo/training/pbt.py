@@ -75,7 +75,7 @@ def losers_of(num_members: int, quantile: float) -> int:
 
 @struct.dataclass
 class PBTState:
-    """What PBT carries per shard (the same on every shard of a member): the member's
+    """What PBT carries per member: the member's
     hyperparameters, the fitness sums of the interval so far, the population's key, and
     the record of the latest exploit (the host logs it)."""
 
@@ -174,34 +174,29 @@ def exploit(settings: PBTSettings, carried: Any, state: PBTState, fitness: jax.A
             update_index: jax.Array) -> tuple[Any, PBTState]:
     """Rank, copy and explore on every device of a population (inside `shard_parallel` with
     `over_members=False`): `carried`, the learning state a member copies, and `state` have
-    leaves [members_per_device, shards_per_device, ...]; `fitness` [members_per_device].
+    per-member leaves [members_per_device, ...]; `fitness` [members_per_device].
     Returns both with the losers' rows replaced by their winners' (bit for bit) and the
     hyperparameters decided, the record of the exploit in `state`."""
-    one_per_member = lambda tree: jax.tree.map(lambda leaf: leaf[:, 0], tree)
-    members_per_device, shards_per_device = state.copied_from.shape[:2]
-    hyperparams = shards.all_members(one_per_member(state.hyperparams))
-    all_fitness = shards.all_members(fitness)
-    key = jax.random.fold_in(state.key[0, 0], update_index)
-    decision = decide(settings, all_fitness, hyperparams, key)
-    spread = lambda tree: jax.tree.map(
-        lambda leaf: jnp.broadcast_to(leaf[:, None], (members_per_device, shards_per_device, *leaf.shape[1:])), tree)
-    carried = spread(shards.copy_members(one_per_member(carried), decision.source[decision.losers], decision.losers))
+    members_per_device = state.copied_from.shape[0]
+    key = jax.random.fold_in(state.key[0], update_index)
+    decision = decide(settings, shards.all_members(fitness), shards.all_members(state.hyperparams), key)
+    carried = shards.copy_members(carried, decision.source[decision.losers], decision.losers)
     members = shards.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), members_per_device)
     source = shards.local_members(decision.source, members_per_device)
-    zero = jnp.zeros((members_per_device, shards_per_device), jnp.float32)
+    zero = jnp.zeros((members_per_device,), jnp.float32)
     state = state.replace(
-        hyperparams=spread(shards.local_members(decision.hyperparams, members_per_device)),
+        hyperparams=shards.local_members(decision.hyperparams, members_per_device),
         return_sum=zero,
         episodes=zero,
-        copied_from=spread(jnp.where(source != members, source, -1)),
-        fitness=spread(fitness),
+        copied_from=jnp.where(source != members, source, -1),
+        fitness=fitness,
     )
     return carried, state
 
 
 def exploit_rows(update: int, record: Any, keys: Sequence[str]) -> list[dict]:
-    """The pbt.jsonl rows of a chunk's exploits from `record`, a host PBTState of shard 0
-    of every member (leaves [num_members]); `keys`: the PPOHyperparams fields to report."""
+    """The pbt.jsonl rows of a chunk's exploits from `record`, a host PBTState of every
+    member (leaves [num_members]); `keys`: the PPOHyperparams fields to report."""
     copied_from = np.asarray(record.copied_from)
     fitness = np.asarray(record.fitness, np.float64)
     values = lambda hyperparams, member: {f"ppo.{name}": as_decimal(np.asarray(getattr(hyperparams, name))[member])
