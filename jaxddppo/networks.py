@@ -7,9 +7,7 @@ has `apply(params, obs) -> (distribution, value)` and ignores the carry (None).
 A recurrent one (`network.recurrent`) zeroes its carry where `episode_start` is
 true before the core; `unroll` runs `step` over a [T, B] sequence. The rest of
 the trainer sees only those and the distribution methods (`sample`,
-`log_prob`, `entropy`, `mode`). `policy_step` is the one way to act, shared by
-the rollout, evaluation and loaded policies: it normalises observations with the
-run's running statistics, if it keeps them, then calls `step`.
+`log_prob`, `entropy`, `mode`); it acts through `rollout.policy_step`.
 
 Observations are pytrees (`EnvSpec.observation`): every leaf but the action mask
 is a torso input (`ObservationLayout`), and the mask, where the environment gives
@@ -31,7 +29,6 @@ from jax import custom_batching
 
 from jaxddppo.config.options import ConfigError, NetworkConfig, is_reference
 from jaxddppo.envs import EnvSpec, batch_size
-from jaxddppo.normalization import RunningMoments, normalize
 from jaxddppo.references import article, call_user_code, resolve
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -463,25 +460,3 @@ def _recurrent_actor_critic(
         return carry, layout.mask(dist, obs), value
 
     return ActorCritic(init=init, step=step, apply=None, initial_carry=initial_carry)
-
-
-def prepare_observations(obs_moments: Optional[RunningMoments], obs: Any) -> Any:
-    """What the network sees: `obs` normalised by `obs_moments`, or as it is when there are none."""
-    return obs if obs_moments is None else normalize(obs_moments, obs)
-
-
-def policy_step(
-    network: ActorCritic,
-    params: Any,
-    obs_moments: Optional[RunningMoments],
-    carry: Any,
-    obs: Any,
-    episode_start: Optional[jax.Array],
-) -> tuple[Any, Distribution, jax.Array]:
-    """(carry, distribution, value) for a batch of raw observations `obs` (leaves [B, ...]).
-
-    Feed-forward networks take and return `carry=None` and ignore
-    `episode_start`; recurrent ones reset the carry where `episode_start` [B]
-    is true (the observation is the first of its episode).
-    """
-    return network.step(params, carry, prepare_observations(obs_moments, obs), episode_start)

@@ -1,12 +1,16 @@
-"""PPO's update: epochs x minibatches (`minibatches.py`) of the loss's mean gradient
-(`loss.py`), and one update step from rollout to new parameters.
+"""PPO's update, top to bottom: `make_update` returns the per-device
+`update(state, hyperparams) -> (state, metrics)`, which runs in named phases:
 
-`make_update` binds the static pieces (environment, network, sizes) and returns
-the per-device `update(state, hyperparams) -> (state, metrics)`;
-`sharding.shard_parallel` runs it on every device. It runs each of the device's shards' rollouts, returns
-and minibatch gradients with `DeviceShards.map`, and reduces every statistic that
-all shards use (advantage normalisation, gradients, logged metrics) over all
-shards with `DeviceShards.mean`; parameters and optimizer state, one per member
+1. collect: each shard steps its environments under the policy (`rollout.collect_rollout`);
+2. advantages: rewards scaled if asked, GAE per shard (`rollout.gae`), the learning batch;
+3. epochs: each epoch a fresh order cut into minibatches (`epoch_indices`), advantages
+   normalised over each global minibatch, the loss's gradient of every shard averaged
+   over all shards (`mean_gradients`), one optimizer step per minibatch;
+4. metrics: every statistic reduced over all shards.
+
+`sharding.shard_parallel` runs `update` on every device; it handles the device's shards
+with `sharding.DeviceShards` (`map` per shard, `mean` over every shard of the run), so
+nothing here names a device axis. Parameters and optimizer state, one per member
 (`TrainState.layout`), are updated once per device.
 """
 
@@ -20,65 +24,75 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxddppo.config.options import PPOConfig, TRACED_BOUNDS
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
-from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, loss_apply_fn, mean_gradients, normalize_minibatch_advantages
-from jaxddppo.minibatches import (
-    Minibatching,
-    flatten_rollout,
-    merge_time_and_batch,
-    minibatch_indices,
-    random_permutations,
-    sequence_advantages,
-    sequence_batch,
-    sequence_indices,
-    take_samples,
-    take_sequences,
-)
-from jaxddppo.networks import ActorCritic, policy_step, prepare_observations
-from jaxddppo.normalization import (
+from jaxddppo.networks import ActorCritic, unroll
+from jaxddppo.rollout import (
+    Batch,
+    EpisodeStats,
+    RolloutState,
     RunningMoments,
-    discounted_returns,
+    collect_rollout,
+    flatten_rollout,
+    gae,
     init_moments,
     init_observation_moments,
-    scale,
+    merge_time_and_batch,
+    policy_step,
+    prepare_observations,
+    scale_rollout_rewards,
+    sequence_batch,
+    take_samples,
+    take_sequences,
     update_moments,
 )
-from jaxddppo.rollout import EpisodeStats, RolloutState, Transition, collect_rollout, gae
-from jaxddppo.shards import DeviceShards, field_layouts
+from jaxddppo.sharding import DeviceShards, field_layouts
+
+
+def _hyperparams_from_config(cls: type, config: PPOConfig) -> Any:
+    return cls(**{name: jnp.asarray(getattr(config, name), jnp.float32) for name in TRACED_BOUNDS})
+
+
+# The update's float hyperparameters, traced (so that a sweep can vmap over them and PBT change
+# them): one float32 array each, named as config/options.py declares them (TRACED_BOUNDS), so that a new
+# one is declared there alone. `PPOHyperparams.from_config(config.ppo)` makes one.
+PPOHyperparams = struct.dataclass(type("PPOHyperparams", (), {
+    "__module__": __name__,
+    "__annotations__": {name: jax.Array for name in TRACED_BOUNDS},
+    "from_config": classmethod(_hyperparams_from_config),
+}))
+
+
+def random_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Array:
+    """[num_permutations, n]: random orders of range(n), one per key split from `key`."""
+    return jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, num_permutations))
 
 
 @dataclass(frozen=True)
 class UpdateSettings:
-    """Static PPO choices and sizes of one shard's update."""
+    """The update's static choices and one shard's sizes (`distributed.topology` derives the
+    global ones)."""
 
     num_steps: int
+    num_envs_per_shard: int
     num_epochs: int
     num_minibatches: int
-    minibatch_size: int  # per shard
     num_shards: int
     num_updates: int  # of the whole run: defines the learning-rate schedule
     clip_value: bool
     normalize_advantages: bool
     anneal_lr: bool
-    num_envs: int  # per shard
     recurrent: bool  # minibatches are whole environment sequences
     critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
-    permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations  # draws the epochs' orders
+    permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations  # (key, epochs, n) orders
     exact_reductions: bool = True  # train.exact_reductions
 
     @property
     def sgd_steps_per_update(self) -> int:
         return self.num_epochs * self.num_minibatches
-
-    @property
-    def minibatching(self) -> Minibatching:
-        return Minibatching(
-            num_epochs=self.num_epochs, num_minibatches=self.num_minibatches,
-            minibatch_size=self.minibatch_size, num_envs=self.num_envs, permutations=self.permutations,
-        )
 
     @property
     def shards(self) -> DeviceShards:
@@ -108,6 +122,16 @@ class TrainState:
 
 
 @struct.dataclass
+class LossInfo:
+    policy_loss: jax.Array
+    value_loss: jax.Array
+    entropy: jax.Array
+    approx_kl: jax.Array
+    clip_fraction: jax.Array
+    grad_norm: jax.Array
+
+
+@struct.dataclass
 class UpdateMetrics(LossInfo):
     """Per-update metrics, identical on every shard: the LossInfo fields (means over all
     SGD steps and shards), then statistics of the rollout."""
@@ -119,131 +143,11 @@ class UpdateMetrics(LossInfo):
     episodes_completed: jax.Array
 
 
-def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings: UpdateSettings) -> jax.Array:
-    """Learning rate at a global SGD step; annealing runs to 0 over the whole run."""
-    if not settings.anneal_lr:
-        return hyperparams.learning_rate
-    total = settings.num_updates * settings.sgd_steps_per_update
-    return hyperparams.learning_rate * (1.0 - sgd_step.astype(jnp.float32) / total)
-
-
-def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
-    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
-    return optax.chain(
-        optax.clip_by_global_norm(hyperparams.max_grad_norm),
-        optax.scale_by_adam(eps=hyperparams.adam_eps),
-        optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
-    )
-
-
-def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
-    """The optimizer's initial state for `params`."""
-    return make_optimizer(hyperparams, settings).init(params)
-
-
-def run_epochs(
-    params: Any,
-    opt_state: Any,
-    batch: Batch,
-    keys: jax.Array,
-    apply_fn: Callable,
-    hyperparams: PPOHyperparams,
-    settings: UpdateSettings,
-) -> tuple[Any, Any, LossInfo]:
-    """`num_epochs` passes of minibatch SGD over the device's shards' `batch` (leaves
-    [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's loss info of every
-    SGD step [L, E, M].
-
-    Feed-forward minibatches are random samples; recurrent ones are random whole
-    environment sequences (truncated BPTT over the rollout).
-    """
-    shards = settings.shards
-    if settings.recurrent:
-        indices = shards.map_batched(lambda key: sequence_indices(key, settings.minibatching), keys)
-        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
-        take = take_sequences
-    else:
-        indices = shards.map_batched(lambda key: minibatch_indices(key, settings.minibatching), keys)
-        if settings.normalize_advantages:
-            advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
-        else:
-            advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
-        take = take_samples
-    optimizer = make_optimizer(hyperparams, settings)
-
-    def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
-        params, opt_state = carry
-        minibatches = shards.map_batched(
-            lambda shard, index, advantage: take(shard, index).replace(advantage=advantage), batch, *xs
-        )
-        grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), infos
-
-    def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
-        return jax.lax.scan(minibatch_step, carry, xs)
-
-    # Scanned over epochs, then minibatches: the shard axis goes inside both.
-    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), (indices, advantages))
-    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), xs)
-    return params, opt_state, jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)
-
-
-@struct.dataclass
-class ScaledRewards:
-    rewards: jax.Array  # [L, T, B]
-    discounted_return: jax.Array  # [L, B] carried to the next rollout
-    moments: RunningMoments
-
-
-def scale_rollout_rewards(
-    transitions: Transition, discounted_return: jax.Array, moments: RunningMoments, gamma: jax.Array,
-    shards: DeviceShards,
-) -> ScaledRewards:
-    """Rewards divided by the running std of the discounted return, updated with every shard's
-    rollout; `transitions` and `discounted_return` [L, B] are the device's shards'."""
-    dones = transitions.terminated | transitions.truncated
-    discounted_return, returns = shards.map_batched(
-        lambda running, reward, done: discounted_returns(running, reward, done, gamma),
-        discounted_return, transitions.reward, dones,
-    )
-    moments = update_moments(moments, returns.reshape(returns.shape[0], -1), shards)
-    rewards = shards.map_batched(lambda reward: scale(moments, reward), transitions.reward)
-    return ScaledRewards(rewards, discounted_return, moments)
-
-
-@struct.dataclass
-class _ShardTotals:
-    """Per-shard statistics averaged over shards in one reduction at the end of an update."""
-
-    info: LossInfo
-    target_moments: jax.Array  # [2]: E[t], E[t^2] of the value targets
-    residual_moments: jax.Array  # [2]: the same of target - value
-    episodes: EpisodeStats
-
-
-def _variance(moments: jax.Array) -> jax.Array:
-    return jnp.maximum(moments[1] - jnp.square(moments[0]), 0.0)
-
-
-def _moments(x: jax.Array) -> jax.Array:
-    return jnp.stack([jnp.mean(x), jnp.mean(jnp.square(x))])
-
-
-def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
-    """The rollout's and the epochs' keys [2] of update `update_index`: the shard's key folded
-    with 2 x update_index and 2 x update_index + 1, in one Threefry call (XLA's CPU backend
-    compiles each call into a loop of its own)."""
-    indices = 2 * update_index.astype(jnp.uint32) + jnp.arange(2, dtype=jnp.uint32)
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(shard_key, indices)
-
-
 def make_update(
     env: BatchedEnv, network: ActorCritic, settings: UpdateSettings
 ) -> Callable[[TrainState, PPOHyperparams], tuple[TrainState, UpdateMetrics]]:
     """The per-device PPO update of the device's shards (`TrainState.layout`; one member's
-    `PPOHyperparams`): rollout, GAE, epochs x minibatches of SGD. The metrics are the same
-    on every device, without a shard axis."""
+    `PPOHyperparams`). The metrics are the same on every device, without a shard axis."""
     shards = settings.shards
 
     def update(state: TrainState, hyperparams: PPOHyperparams) -> tuple[TrainState, UpdateMetrics]:
@@ -252,6 +156,7 @@ def make_update(
         keys = shards.map_batched(lambda key: update_keys(key, update_index), state.key)
         key_rollout, key_epochs = keys[:, 0], keys[:, 1]
 
+        # 1. Collect: every shard's environments, under the policy that acts.
         def policy(params: Any, carry: Any, obs: Any, episode_start: Any) -> tuple[Any, Any, jax.Array]:
             return policy_step(network, params, obs_moments, carry, obs, episode_start)
 
@@ -261,6 +166,8 @@ def make_update(
             ),
             state.rollout, key_rollout,
         )
+
+        # 2. Advantages [shards_per_device, T, B] and the learning batch.
         rewards = transitions.reward
         if settings.scale_rewards:
             scaled = scale_rollout_rewards(
@@ -286,10 +193,14 @@ def make_update(
             obs_moments = update_moments(
                 obs_moments, shards.map_batched(merge_time_and_batch, transitions.obs), shards
             )
+
+        # 3. Epochs of minibatches, one optimizer step each.
         params, opt_state, info = run_epochs(
             params, opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
-        # Means over shards of per-shard means are global means: every shard has equally many samples.
+
+        # 4. Metrics: means over shards of per-shard means are global means (every shard has
+        # equally many samples).
         totals = shards.mean(shards.map(
             lambda shard_info, shard_batch, shard_episodes: _ShardTotals(
                 info=jax.tree.map(jnp.mean, shard_info),
@@ -316,6 +227,205 @@ def make_update(
     return update
 
 
+def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
+    """The rollout's and the epochs' keys [2] of update `update_index`: the shard's key folded
+    with 2 x update_index and 2 x update_index + 1, in one Threefry call (XLA's CPU backend
+    compiles each call into a loop of its own)."""
+    indices = 2 * update_index.astype(jnp.uint32) + jnp.arange(2, dtype=jnp.uint32)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(shard_key, indices)
+
+
+def run_epochs(
+    params: Any,
+    opt_state: Any,
+    batch: Batch,
+    keys: jax.Array,
+    apply_fn: Callable,
+    hyperparams: PPOHyperparams,
+    settings: UpdateSettings,
+) -> tuple[Any, Any, LossInfo]:
+    """`num_epochs` passes of minibatch SGD over the device's shards' `batch` (leaves
+    [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's loss info of every
+    SGD step [L, E, M].
+
+    Feed-forward minibatches are random samples; recurrent ones are random whole
+    environment sequences (truncated BPTT over the rollout).
+    """
+    shards = settings.shards
+    num_items = settings.num_envs_per_shard * (1 if settings.recurrent else settings.num_steps)
+    indices = shards.map_batched(lambda key: epoch_indices(
+        key, settings.num_epochs, settings.num_minibatches, num_items, settings.permutations), keys)
+    if settings.recurrent:
+        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
+        take = take_sequences
+    else:
+        if settings.normalize_advantages:
+            advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
+        else:
+            advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
+        take = take_samples
+    optimizer = make_optimizer(hyperparams, settings)
+
+    def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
+        params, opt_state = carry
+        minibatches = shards.map_batched(
+            lambda shard, index, advantage: take(shard, index).replace(advantage=advantage), batch, *xs
+        )
+        grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), infos
+
+    def epoch(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
+        return jax.lax.scan(minibatch_step, carry, xs)
+
+    # Scanned over epochs, then minibatches: the shard axis goes inside both.
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 0, 2), (indices, advantages))
+    (params, opt_state), infos = jax.lax.scan(epoch, (params, opt_state), xs)
+    return params, opt_state, jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)
+
+
+def epoch_indices(key: jax.Array, num_epochs: int, num_minibatches: int, num_items: int,
+                  permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations) -> jax.Array:
+    """[num_epochs, num_minibatches, num_items / num_minibatches]: a fresh random order of
+    range(num_items) per epoch, cut into minibatches. The items are a shard's samples
+    (feed-forward) or its environments' whole sequences (recurrent)."""
+    return permutations(key, num_epochs, num_items).reshape(num_epochs, num_minibatches, -1)
+
+
+def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
+    """Advantages of every minibatch, normalised over that global minibatch (all shards).
+
+    `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
+    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
+    together, around a shift common to every shard (the rollout mean) so
+    E[x^2] - E[x]^2 does not cancel.
+    """
+    shift = shards.mean(shards.map(jnp.mean, advantages))
+    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
+    mean, mean_square = shards.mean(shards.map(
+        lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
+    ))
+    std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
+    # A product, not a division: XLA may rewrite a division into a product by the
+    # reciprocal, depending on the surrounding program, which would change the last bits.
+    inverse_std = 1.0 / (std + 1e-8)
+    return shards.map_batched(lambda shard: (shard - mean[..., None]) * inverse_std[..., None], centered)
+
+
+def sequence_advantages(
+    advantages: jax.Array, env_indices: jax.Array, normalize: bool, shards: DeviceShards
+) -> jax.Array:
+    """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
+    `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
+    shards_per_device, num_steps, num_envs = advantages.shape
+    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
+    flat_advantages = advantages.reshape(shards_per_device, -1)
+    if not normalize:
+        return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
+    per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
+    return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
+
+
+def ppo_loss(
+    params: Any, apply_fn: Callable, batch: Batch, hyperparams: PPOHyperparams, clip_value: bool
+) -> tuple[jax.Array, LossInfo]:
+    """Clipped-surrogate PPO loss of one minibatch, every field of `batch` [N, ...]: the
+    clipped surrogate, the (clipped) value loss and the entropy bonus. `batch.advantage` is
+    used as given (normalise it before calling). Returns the scalar loss and its parts
+    (grad_norm left at 0)."""
+    dist, value = apply_fn(params, batch.obs)
+    log_ratio = dist.log_prob(batch.action) - batch.log_prob
+    ratio = jnp.exp(log_ratio)
+    clip_eps = hyperparams.clip_eps
+    surrogate = ratio * batch.advantage
+    clipped_surrogate = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * batch.advantage
+    policy_loss = -jnp.mean(jnp.minimum(surrogate, clipped_surrogate))
+    value_error = jnp.square(value - batch.target)
+    if clip_value:
+        clipped_value = batch.value + jnp.clip(value - batch.value, -clip_eps, clip_eps)
+        value_error = jnp.maximum(value_error, jnp.square(clipped_value - batch.target))
+    value_loss = 0.5 * jnp.mean(value_error)
+    entropy = jnp.mean(dist.entropy())
+    loss = policy_loss + hyperparams.vf_coef * value_loss - hyperparams.ent_coef * entropy
+    info = LossInfo(
+        policy_loss=policy_loss,
+        value_loss=value_loss,
+        entropy=entropy,
+        approx_kl=jnp.mean((ratio - 1.0) - log_ratio),
+        clip_fraction=jnp.mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
+        grad_norm=jnp.zeros(()),
+    )
+    return loss, info
+
+
+def mean_gradients(
+    params: Any, minibatches: Batch, apply_fn: Callable, hyperparams: PPOHyperparams, clip_value: bool,
+    shards: DeviceShards,
+) -> tuple[Any, LossInfo]:
+    """Gradient of the global minibatch: each shard's gradient of its own loss (`minibatches`
+    leaves [L, ...]), averaged over every shard. Returns it and each shard's loss info [L]
+    (grad_norm: the mean gradient's norm).
+
+    `jax.grad` is taken of each local loss and the gradients are then averaged: under
+    `shard_parallel` (pmap semantics) grad of an averaged loss would be local.
+    """
+    grads, infos = shards.map(
+        lambda minibatch: jax.grad(ppo_loss, has_aux=True)(params, apply_fn, minibatch, hyperparams, clip_value),
+        minibatches,
+    )
+    grads = shards.mean(grads)
+    return grads, infos.replace(grad_norm=jnp.broadcast_to(optax.tree.norm(grads), infos.grad_norm.shape))
+
+
+def loss_apply_fn(network: ActorCritic) -> Callable[[Any, Any], tuple[Any, jax.Array]]:
+    """(params, batch.obs) -> (distribution, value) as `ppo_loss` needs it."""
+    if not network.recurrent:
+        return network.apply
+    return lambda params, sequences: unroll(
+        network, params, sequences.carry, sequences.obs, sequences.episode_start
+    )[1:]
+
+
+def learning_rate_at(sgd_step: jax.Array, hyperparams: PPOHyperparams, settings: UpdateSettings) -> jax.Array:
+    """Learning rate at a global SGD step; annealing runs to 0 over the whole run."""
+    if not settings.anneal_lr:
+        return hyperparams.learning_rate
+    total = settings.num_updates * settings.sgd_steps_per_update
+    return hyperparams.learning_rate * (1.0 - sgd_step.astype(jnp.float32) / total)
+
+
+def make_optimizer(hyperparams: PPOHyperparams, settings: UpdateSettings) -> optax.GradientTransformation:
+    """Global-norm clipping, then Adam, then the (annealed) learning rate."""
+    return optax.chain(
+        optax.clip_by_global_norm(hyperparams.max_grad_norm),
+        optax.scale_by_adam(eps=hyperparams.adam_eps),
+        optax.scale_by_learning_rate(lambda step: learning_rate_at(step, hyperparams, settings)),
+    )
+
+
+def optimizer_state(params: Any, hyperparams: PPOHyperparams, settings: UpdateSettings) -> Any:
+    """The optimizer's initial state for `params`."""
+    return make_optimizer(hyperparams, settings).init(params)
+
+
+@struct.dataclass
+class _ShardTotals:
+    """Per-shard statistics averaged over shards in one reduction at the end of an update."""
+
+    info: LossInfo
+    target_moments: jax.Array  # [2]: E[t], E[t^2] of the value targets
+    residual_moments: jax.Array  # [2]: the same of target - value
+    episodes: EpisodeStats
+
+
+def _variance(moments: jax.Array) -> jax.Array:
+    return jnp.maximum(moments[1] - jnp.square(moments[0]), 0.0)
+
+
+def _moments(x: jax.Array) -> jax.Array:
+    return jnp.stack([jnp.mean(x), jnp.mean(jnp.square(x))])
+
+
 def initial_params(seed: int | jax.Array, network: ActorCritic, obs: Any) -> Any:
     """The parameters every shard of a run starts from: one key, shared by all shards."""
     return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
@@ -326,26 +436,23 @@ def init_train_state(
     seed: int | jax.Array,
     env: BatchedEnv,
     network: ActorCritic,
-    num_envs_per_shard: int,
     hyperparams: PPOHyperparams,
     settings: UpdateSettings,
 ) -> TrainState:
     """The initial state of a device's shards (global indices `shard_indices`
     [shards_per_device]): parameters `initial_params(seed, ...)`; each shard's environment
     and update keys folded from its global index."""
+    num_envs = settings.num_envs_per_shard
     shard_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(jax.random.key(seed), 1),
                                                                    shard_indices)
 
     def init_rollout(shard_key: jax.Array) -> RolloutState:
-        obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs_per_shard)
+        obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs)
         rollout = RolloutState(env_state, obs)
         if network.recurrent:
-            rollout = rollout.replace(
-                carry=network.initial_carry(num_envs_per_shard),
-                episode_start=jnp.ones((num_envs_per_shard,), bool),
-            )
+            rollout = rollout.replace(carry=network.initial_carry(num_envs), episode_start=jnp.ones((num_envs,), bool))
         if settings.scale_rewards:
-            rollout = rollout.replace(discounted_return=jnp.zeros((num_envs_per_shard,), jnp.float32))
+            rollout = rollout.replace(discounted_return=jnp.zeros((num_envs,), jnp.float32))
         return rollout
 
     rollout = DeviceShards.map_batched(init_rollout, shard_keys)

@@ -1,4 +1,16 @@
-"""Rollouts of a batch of environments under the policy (`lax.scan`), and GAE."""
+"""What a shard's batch of environments gives the update: rollouts under the policy
+(`collect_rollout`, acting through `policy_step`), GAE, the learning batch the epochs cut
+into minibatches (`flatten_rollout`, `sequence_batch`), and the running statistics every
+shard shares: the observation normaliser and the reward scaler.
+
+The statistics keep `RunningMoments` (count, mean, M2 = sum of squared deviations). An
+update merges one batch from every shard into them: each shard's batch moments are
+combined with Chan et al.'s parallel formula through the shard collectives, then merged
+into the running moments with the same formula. No E[x^2] - E[x]^2 appears, so large
+means do not cancel the variance. Every shard ends with the same numbers, whatever the
+device count. Samples may be pytrees (dict observations): the moments then hold one
+mean and M2 per float leaf, and None for a bool leaf (an action mask), never normalised.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +21,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddppo.envs import BatchedEnv, EpisodeState, batch_size
+from jaxddppo.networks import ActorCritic, Distribution
+from jaxddppo.sharding import DeviceShards
+
+OBS_CLIP = 10.0  # normalised observations are clipped to [-OBS_CLIP, OBS_CLIP]
+_VARIANCE_EPS = 1e-8
+# Both scale by an explicit rsqrt: XLA turns x / sqrt(v) into x * rsqrt(v) only where the sqrt
+# has one user, so a division would compute other bits depending on the program around it.
 
 # (params, carry, obs (leaves [B, ...]), episode_start [B] or None) -> (carry, distribution, value [B]);
 # a feed-forward policy (carry None) takes obs with any leading shape, [T, B, ...] too.
@@ -151,3 +170,221 @@ def gae(
 
     _, advantages = jax.lax.scan(backward, jnp.zeros_like(values[0]), (deltas, continues), reverse=True)
     return advantages
+
+
+def prepare_observations(obs_moments: Optional[RunningMoments], obs: Any) -> Any:
+    """What the network sees: `obs` normalised by `obs_moments`, or as it is when there are none."""
+    return obs if obs_moments is None else normalize(obs_moments, obs)
+
+
+def policy_step(
+    network: ActorCritic,
+    params: Any,
+    obs_moments: Optional[RunningMoments],
+    carry: Any,
+    obs: Any,
+    episode_start: Optional[jax.Array],
+) -> tuple[Any, Distribution, jax.Array]:
+    """(carry, distribution, value) for a batch of raw observations `obs` (leaves [B, ...]).
+
+    Feed-forward networks take and return `carry=None` and ignore
+    `episode_start`; recurrent ones reset the carry where `episode_start` [B]
+    is true (the observation is the first of its episode).
+    """
+    return network.step(params, carry, prepare_observations(obs_moments, obs), episode_start)
+
+
+@struct.dataclass
+class SequenceObs:
+    """A recurrent policy's input: whole environment sequences and the carry they start from."""
+
+    obs: Any  # leaves [T, B, ...], as the network sees them (normalised if the run normalises)
+    episode_start: jax.Array  # [T, B]
+    carry: Any  # leaves [B, ...]: the carry before each sequence's first step
+
+
+@struct.dataclass
+class Batch:
+    """Learning samples: flat over [T * B] (feed-forward) or [T, B] sequences (recurrent; `obs`
+    is then a SequenceObs), or one minibatch of either."""
+
+    obs: Any
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array
+    advantage: jax.Array
+    target: jax.Array  # value target: advantage + value
+
+
+def merge_time_and_batch(tree: Any) -> Any:
+    """Leaves [T, B, ...] as [T * B, ...]."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def flatten_rollout(transitions: Transition, advantages: jax.Array, obs: Any) -> Batch:
+    """[T, B, ...] rollout fields to a flat [T * B, ...] learning batch; `obs` (leaves
+    [T, B, ...]) are the observations as the network saw them."""
+    return Batch(
+        obs=merge_time_and_batch(obs),
+        action=merge_time_and_batch(transitions.action),
+        log_prob=merge_time_and_batch(transitions.log_prob),
+        value=merge_time_and_batch(transitions.value),
+        advantage=merge_time_and_batch(advantages),
+        target=merge_time_and_batch(advantages + transitions.value),
+    )
+
+
+def sequence_batch(transitions: Transition, advantages: jax.Array, obs: Any, initial_carry: Any) -> Batch:
+    """The rollout as [T, B] sequences for a recurrent policy, starting from `initial_carry`."""
+    return Batch(
+        obs=SequenceObs(obs=obs, episode_start=transitions.episode_start, carry=initial_carry),
+        action=transitions.action,
+        log_prob=transitions.log_prob,
+        value=transitions.value,
+        advantage=advantages,
+        target=advantages + transitions.value,
+    )
+
+
+def take_samples(batch: Batch, index: jax.Array) -> Batch:
+    """The samples `index` [n] of a flat batch."""
+    return jax.tree.map(lambda x: x[index], batch)
+
+
+def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
+    """The whole sequences of environments `env_index` [n] of a sequence batch, steps in order."""
+    sequences = batch.obs
+    fields = jax.tree.map(lambda x: x[:, env_index], batch.replace(obs=None))
+    return fields.replace(obs=SequenceObs(
+        obs=jax.tree.map(lambda x: x[:, env_index], sequences.obs),
+        episode_start=sequences.episode_start[:, env_index],
+        carry=jax.tree.map(lambda c: c[env_index], sequences.carry),
+    ))
+
+
+@struct.dataclass
+class RunningMoments:
+    """Moments of every sample seen so far, over all shards. `mean` and `m2` have the
+    samples' structure: an array of the leaf's shape per float leaf, None per bool leaf."""
+
+    count: jax.Array  # [] float32
+    mean: Any
+    m2: Any  # sum of squared deviations from the mean
+
+    @property
+    def variance(self) -> Any:
+        """Population variance; 1 before any sample, so an untouched normaliser passes values through."""
+        return jax.tree.map(lambda m2: jnp.where(self.count > 0, m2 / jnp.maximum(self.count, 1.0), 1.0), self.m2)
+
+
+def _is_bool(leaf: Any) -> bool:
+    return leaf.dtype == jnp.bool_
+
+
+def init_moments(shape: tuple[int, ...]) -> RunningMoments:
+    """Moments of samples that are one float array of `shape`."""
+    return init_observation_moments(jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
+def init_observation_moments(observation: Any) -> RunningMoments:
+    """Moments of samples shaped as `observation`, a pytree of jax.ShapeDtypeStruct
+    (`EnvSpec.observation`): zeros per float leaf, None per bool leaf."""
+    zeros = jax.tree.map(lambda leaf: None if _is_bool(leaf) else jnp.zeros(leaf.shape, jnp.float32), observation)
+    return RunningMoments(count=jnp.zeros((), jnp.float32), mean=zeros, m2=zeros)
+
+
+def merge_moments(a: RunningMoments, b: RunningMoments) -> RunningMoments:
+    """The moments of the union of two sample sets (Chan, Golub and LeVeque), leaf by leaf."""
+    count = a.count + b.count
+    weight_b = b.count / jnp.maximum(count, 1.0)
+    delta = jax.tree.map(jnp.subtract, b.mean, a.mean)
+    return RunningMoments(
+        count=count,
+        mean=jax.tree.map(lambda mean, d: mean + d * weight_b, a.mean, delta),
+        m2=jax.tree.map(lambda m2_a, m2_b, d: m2_a + m2_b + jnp.square(d) * a.count * weight_b, a.m2, b.m2, delta),
+    )
+
+
+def global_batch_moments(samples: Any, shards: DeviceShards) -> RunningMoments:
+    """Moments of every shard's `samples` together: a pytree of float leaves
+    [shards_per_device, N, ...] (N is the same on every leaf and every shard; None leaves
+    are left out). Call inside a per-device function (`sharding.shard_parallel`).
+
+    With equal counts the parallel merge of the S shard moments reduces to
+    mean = mean_s(mean_i) and M2 = sum_i (M2_i + N (mean_i - mean)^2).
+    """
+    samples_per_shard = jax.tree.leaves(samples)[0].shape[1]
+    local_mean = shards.map(lambda shard: jax.tree.map(lambda x: jnp.mean(x, axis=0), shard), samples)
+    mean = shards.mean(local_mean)
+
+    def local_m2(x: jax.Array, shard_mean: jax.Array, global_mean: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.square(x - shard_mean), axis=0) + samples_per_shard * jnp.square(shard_mean - global_mean)
+
+    m2 = shards.sum(shards.map(
+        lambda shard, shard_mean: jax.tree.map(local_m2, shard, shard_mean, mean), samples, local_mean
+    ))
+    return RunningMoments(count=jnp.float32(samples_per_shard * shards.num_shards(samples)), mean=mean, m2=m2)
+
+
+def update_moments(moments: RunningMoments, samples: Any, shards: DeviceShards) -> RunningMoments:
+    """`moments` with every shard's `samples` (leaves [shards_per_device, N, *leaf shape])
+    merged in; bool leaves are skipped."""
+    float_samples = jax.tree.map(lambda x: None if _is_bool(x) else x, samples)
+    return merge_moments(moments, global_batch_moments(float_samples, shards))
+
+
+def normalize(moments: RunningMoments, x: Any) -> Any:
+    """`x` (leaves [..., *leaf shape]) standardised leaf by leaf by the running moments and
+    clipped to +-OBS_CLIP; bool leaves as they are."""
+
+    def standardise(leaf: jax.Array, mean: Any, variance: Any) -> jax.Array:
+        if mean is None:
+            return leaf
+        return jnp.clip((leaf - mean) * jax.lax.rsqrt(variance + _VARIANCE_EPS), -OBS_CLIP, OBS_CLIP)
+
+    return jax.tree.map(standardise, x, moments.mean, moments.variance)
+
+
+def scale(moments: RunningMoments, x: jax.Array) -> jax.Array:
+    """`x` divided by the running standard deviation (no centring: rewards keep their sign)."""
+    return x * jax.lax.rsqrt(moments.variance + _VARIANCE_EPS)
+
+
+def discounted_returns(
+    running: jax.Array, rewards: jax.Array, dones: jax.Array, gamma: float | jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The discounted return of each step so far in its episode, G_t = r_t + gamma G_{t-1}.
+
+    `running` [B] is G before the rollout (0 at an episode start); `rewards`,
+    `dones` [T, B]. Returns the running value after the rollout and G [T, B].
+    """
+
+    def step(previous: jax.Array, inputs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        reward, done = inputs
+        current = reward + gamma * previous
+        return jnp.where(done, 0.0, current), current
+
+    return jax.lax.scan(step, running, (rewards, dones))
+
+
+@struct.dataclass
+class ScaledRewards:
+    rewards: jax.Array  # [L, T, B]
+    discounted_return: jax.Array  # [L, B] carried to the next rollout
+    moments: RunningMoments
+
+
+def scale_rollout_rewards(
+    transitions: Transition, discounted_return: jax.Array, moments: RunningMoments, gamma: jax.Array,
+    shards: DeviceShards,
+) -> ScaledRewards:
+    """Rewards divided by the running std of the discounted return, updated with every shard's
+    rollout; `transitions` and `discounted_return` [L, B] are the device's shards'."""
+    dones = transitions.terminated | transitions.truncated
+    discounted_return, returns = shards.map_batched(
+        lambda running, reward, done: discounted_returns(running, reward, done, gamma),
+        discounted_return, transitions.reward, dones,
+    )
+    moments = update_moments(moments, returns.reshape(returns.shape[0], -1), shards)
+    rewards = shards.map_batched(lambda reward: scale(moments, reward), transitions.reward)
+    return ScaledRewards(rewards, discounted_return, moments)

@@ -1,27 +1,242 @@
-"""The mesh, the compile wrapper, host transfers and digests.
+"""Shard semantics and the mesh: the one module of the algorithm that names a device axis.
 
-`shard_parallel` compiles a per-device function (which handles its shards through
-`shards.DeviceShards`) over a one-axis mesh of devices (a single run) or a two-axis
-(member, device) mesh (a sweep's population): every leaf leads with the mesh's axes its
-layout names (`layout_spec`: [num_shards] or nothing on a run's mesh, [num_members,
-num_shards] or [num_members] on a population's). The host side: global arrays from host
-arrays (`put_members`, `shared_array`), host copies (`first_shard`, `member_values`), the
-parameters' digests and the bit checksums of a state (`state_checksums`, `state_digest`).
+A *shard* is a logical slice of the global batch with its own environments and its own
+local minibatching; a *device* is physical. A value is laid out `PER_SHARD`, each leaf
+leading with an axis of length `num_shards` split over the mesh axis `DEVICE_AXIS` (a
+device holds `shards_per_device` of them), or `PER_MEMBER`, one value that every shard
+uses (parameters, optimizer state, statistics), held whole on every device. A per-device
+function runs each of its shards' computations with `DeviceShards.map` and reduces over
+all shards with `DeviceShards.sum`/`mean`; by default the shards run one after another and
+sums add the shards in order of global shard index, so the results do not depend on how
+shards map to devices, bit for bit.
+
+`shard_parallel` compiles a per-device function over a one-axis mesh of devices (a single
+run) or a two-axis (member, device) mesh (a sweep's population): every leaf leads with the
+mesh's axes its layout names (`layout_spec`: [num_shards] or nothing on a run's mesh,
+[num_members, num_shards] or [num_members] on a population's). Members communicate only
+for population-based training (`all_members`, `local_members`, `copy_members`). Host
+copies, digests and checksums of global arrays are `distributed/global_arrays.py`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxddppo.shards import DEVICE_AXIS, MEMBER_AXIS, PER_MEMBER, PER_SHARD, DeviceShards, as_words, over_leading_axis
+DEVICE_AXIS = "device"
+MEMBER_AXIS = "member"
+PER_SHARD = "per shard"  # leaves lead with [num_shards], split over the devices
+PER_MEMBER = "per member"  # one value for all of a member's shards, whole on each of its devices
+
+
+def field_layouts(cls: type, per_shard_fields: Sequence[str]) -> Any:
+    """The layout of a dataclass pytree `cls`: an instance whose fields are PER_SHARD if named
+    in `per_shard_fields`, else PER_MEMBER (a prefix of every `cls` for `shard_parallel`)."""
+    return cls(**{name: PER_SHARD if name in per_shard_fields else PER_MEMBER for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class DeviceShards:
+    """How a per-device function (`shard_parallel`) handles the shards of its device,
+    whose leaves lead with [shards_per_device]: `map` runs a per-shard function on each,
+    `sum` and `mean` reduce a per-shard value over every shard of the run, giving the same
+    unbatched value on every device.
+
+    `exact` (`train.exact_reductions`): a device's shards run one after another and every
+    sum adds the shards in order of their global index, whatever the device count, so a
+    run computes the same bits on any number of devices. Otherwise shards run batched
+    (`vmap`) and a sum is one all-reduce (`psum`), which adds in an order set by the
+    placement; XLA also compiles a batch of shards otherwise than one shard, in the last
+    bits.
+    """
+
+    exact: bool = True
+
+    def map(self, per_shard: Callable, *args: Any) -> Any:
+        """`per_shard` over the leading [shards_per_device] axis of every leaf of `args`."""
+        if self.exact:
+            return _in_turn(per_shard, args)
+        return over_leading_axis(per_shard, (), batched=True)(*args)
+
+    @staticmethod
+    def map_batched(per_shard: Callable, *args: Any) -> Any:
+        """`per_shard` batched (`vmap`) over the device's shards, exact or not: only for
+        computations whose bits batching cannot change (random keys, gathers and reshapes,
+        elementwise arithmetic). Fewer loops compile faster."""
+        return jax.vmap(per_shard)(*args)
+
+    def sum(self, tree: Any) -> Any:
+        """Sum over every shard of the run of `tree`, whose float leaves lead with
+        [shards_per_device]; the result, without that axis, is the same on every device."""
+        if self.exact:
+            return _ordered_sum(tree)
+        return jax.lax.psum(jax.tree.map(lambda leaf: jnp.sum(leaf, axis=0), tree), DEVICE_AXIS)
+
+    def mean(self, tree: Any) -> Any:
+        """Mean over every shard of the run (see `sum`)."""
+        num_shards = self.num_shards(tree)
+        return jax.tree.map(lambda total: total / num_shards, self.sum(tree))
+
+    @staticmethod
+    def num_shards(tree: Any) -> int:
+        """The run's shard count, from a per-device value whose leaves lead with [shards_per_device]."""
+        return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
+
+
+def all_members(tree: Any) -> Any:
+    """A population's per-member values gathered in member order: leaves
+    [members_per_device, ...] on each device in, [num_members, ...] out, the same on every
+    device (bits copied, nothing added)."""
+    return jax.tree.map(lambda leaf: jax.lax.all_gather(leaf, MEMBER_AXIS, tiled=True), tree)
+
+
+def local_members(tree: Any, members_per_device: int) -> Any:
+    """This device's members' rows of `tree`, whose leaves lead with [num_members]."""
+    start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
+    return jax.tree.map(lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, members_per_device), tree)
+
+
+def copy_members(tree: Any, sources: jax.Array, destinations: jax.Array) -> Any:
+    """This device's members' rows of `tree` (leaves [members_per_device, ...]) with member
+    `destinations[k]`'s row replaced by member `sources[k]`'s, bit for bit, for each k
+    (`sources`, `destinations`: [K] member indices, the same on every device; no source is
+    a destination). One row crosses the member axis at a time, so a device holds its own
+    members and one more row, where an all-gather would hold every member's.
+
+    The row travels as a `psum` of its bits (`as_words`), to which every device but its holder
+    adds zeros: integer sums are exact, where a float sum would turn -0.0 into 0.0."""
+    members_per_device = _leading_length(tree)
+    start = jax.lax.axis_index(MEMBER_AXIS) * members_per_device
+
+    def local_index(member: jax.Array) -> tuple[jax.Array, jax.Array]:
+        here = (member >= start) & (member < start + members_per_device)
+        return here, jnp.clip(member - start, 0, members_per_device - 1)
+
+    def copy_one(k: int, tree: Any) -> Any:
+        held, source = local_index(sources[k])
+        here, destination = local_index(destinations[k])
+
+        def copy_leaf(leaf: jax.Array) -> jax.Array:
+            words = as_words(leaf[source])
+            row = from_words(jax.lax.psum(jnp.where(held, words, jnp.zeros_like(words)), MEMBER_AXIS), leaf.dtype)
+            return jax.lax.dynamic_update_index_in_dim(leaf, jnp.where(here, row, leaf[destination]), destination, 0)
+
+        return jax.tree.map(copy_leaf, tree)
+
+    return jax.lax.fori_loop(0, sources.shape[0], copy_one, tree)
+
+
+def as_words(value: jax.Array) -> jax.Array:
+    """The raw bits of `value` as uint32 words: narrower types (bool as uint8) widened, wider
+    ones split in 32-bit words (a last axis of 2). A `psum` adds uint32 on every backend
+    (NCCL, for one, adds no 16-bit integers)."""
+    if value.dtype == jnp.bool_:
+        value = value.astype(jnp.uint8)
+    width = value.dtype.itemsize
+    if width < 4:
+        return jax.lax.bitcast_convert_type(value, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
+    return jax.lax.bitcast_convert_type(value, jnp.uint32)
+
+
+def from_words(words: jax.Array, dtype: Any) -> jax.Array:
+    """The value of `dtype` whose `as_words` are `words`."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return words != 0
+    if dtype.itemsize < 4:
+        words = words.astype(jnp.dtype(f"uint{8 * dtype.itemsize}"))
+    return jax.lax.bitcast_convert_type(words, dtype)
+
+
+def _in_turn(per_shard: Callable, args: tuple[Any, ...]) -> Any:
+    """`per_shard` on each shard of `args` (leaves [L, ...]), one after another.
+
+    XLA must compile the shard's computation alike for every L, and it would not for
+    L = 1: a loop it knows runs once is inlined, and slices along an axis of length 1
+    are simplified away, so a device's only shard would compute other last bits than a
+    shard among several. So the loop's trip count is hidden from XLA, and a single
+    shard's arguments and results sit in buffers of two (the second never read).
+    """
+    shards_per_device = _leading_length(args)
+    buffer_length = max(shards_per_device, 2)
+    if shards_per_device == 1:
+        args = jax.tree.map(lambda leaf: jnp.concatenate([leaf, leaf]), args)
+    shapes = jax.eval_shape(lambda shard_args: per_shard(*shard_args), jax.tree.map(lambda leaf: leaf[0], args))
+    outputs = jax.tree.map(lambda shape: jnp.zeros((buffer_length, *shape.shape), shape.dtype), shapes)
+
+    def one_shard(index: jax.Array, outputs: Any) -> Any:
+        shard_args = jax.tree.map(lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, keepdims=False), args)
+        return jax.tree.map(lambda stacked, value: stacked.at[index].set(value), outputs, per_shard(*shard_args))
+
+    trip_count = jax.lax.optimization_barrier(jnp.int32(shards_per_device))
+    outputs = jax.lax.fori_loop(0, trip_count, one_shard, outputs)
+    return jax.tree.map(lambda stacked: stacked[:shards_per_device], outputs)
+
+
+def _leading_length(tree: Any) -> int:
+    return jax.tree.leaves(tree)[0].shape[0]
+
+
+def _ordered_sum(tree: Any) -> Any:
+    """Sum over every shard in order of global shard index: ((s0 + s1) + s2) + ...
+
+    The leaves are laid end to end into [L, P] (L shards on this device). With D > 1
+    devices, an all-to-all hands device d the d-th of D column chunks of every shard's
+    row, in global shard order; it adds them and an all-gather reassembles the sum. Each
+    device moves about (L + 1) x P values, like a ring all-reduce for L = 1, whatever D.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    shards_per_device = leaves[0].shape[0]
+    rows = jnp.concatenate([leaf.reshape(shards_per_device, -1) for leaf in leaves], axis=1)
+    width = rows.shape[1]
+    num_devices = jax.lax.axis_size(DEVICE_AXIS)
+    if num_devices > 1:
+        chunk = -(-width // num_devices)
+        rows = jnp.pad(rows, ((0, 0), (0, chunk * num_devices - width)))
+        rows = rows.reshape(shards_per_device, num_devices, chunk)
+        rows = jax.lax.all_to_all(rows, DEVICE_AXIS, 1, 0, tiled=True)[:, 0]  # [num_shards, chunk]
+    # A loop XLA cannot unroll: with D = 1 it would otherwise see through the sum to each
+    # leaf and compile the consumers (the gradient's norm) otherwise than for D > 1.
+    num_rows = jax.lax.optimization_barrier(jnp.int32(rows.shape[0]))
+    total = jax.lax.fori_loop(1, num_rows, lambda row, total: total + rows[row], rows[0])
+    if num_devices > 1:
+        total = jax.lax.all_gather(total, DEVICE_AXIS, tiled=True)[:width]
+    sizes = [leaf[0].size for leaf in leaves]
+    parts = jnp.split(total, np.cumsum(sizes)[:-1])
+    return jax.tree.unflatten(treedef, [part.reshape(leaf.shape[1:]) for part, leaf in zip(parts, leaves)])
+
+
+def over_leading_axis(function: Callable, shared_argnums: tuple[int, ...], batched: bool) -> Callable:
+    """`function` over the leading axis of every argument but those at `shared_argnums`:
+    `jax.vmap` if `batched`, else `lax.map` (one after another).
+
+    An axis of length 1 is indexed instead: XLA compiles a batch of one otherwise than no
+    batch (it turns the gradient's matrix products around), which would change the bits
+    that a shard alone on its device, or a member, computes.
+    """
+
+    def mapped(*args: Any) -> Any:
+        mapped_args = [arg for index, arg in enumerate(args) if index not in shared_argnums]
+
+        def call(unshared: Sequence[Any]) -> Any:
+            remaining = iter(unshared)
+            return function(*[arg if index in shared_argnums else next(remaining) for index, arg in enumerate(args)])
+
+        length = jax.tree.leaves(mapped_args)[0].shape[0]
+        if length == 1:
+            return jax.tree.map(lambda leaf: leaf[None], call(jax.tree.map(lambda leaf: leaf[0], mapped_args)))
+        if not batched:
+            return jax.lax.map(call, mapped_args)
+        return jax.vmap(call)(mapped_args)
+
+    mapped.__name__ = getattr(function, "__name__", "mapped")  # names the compiled program
+    return mapped
 
 
 def make_mesh(devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -35,7 +250,7 @@ def shard_sharding(mesh: Mesh, layout: str = PER_SHARD) -> NamedSharding:
 
 
 def layout_spec(layout: str, mesh: Mesh) -> PartitionSpec:
-    """How the leading axes of a leaf of `layout` (`shards.PER_SHARD` or `PER_MEMBER`) split
+    """How the leading axes of a leaf of `layout` (`PER_SHARD` or `PER_MEMBER`) split
     over `mesh`: a population's leaves lead with the member axis, then per-shard ones with
     the shard axis; a per-member leaf is whole on each of its member's devices."""
     members = (MEMBER_AXIS,) if is_population(mesh) else ()
@@ -61,14 +276,15 @@ def shard_parallel(per_device: Callable, mesh: Mesh, donate_argnums: tuple[int, 
     with [num_shards] on a run's mesh, [num_members, num_shards] on a population's; a
     per-member one with nothing, or [num_members]. The arguments at `shared_argnums` are
     one value for every shard (such as a chunk's count of updates), replicated over the
-    mesh (`shared_array`) and not batched. `per_device` sees one member's leaves, per-shard
-    ones as [shards_per_device], and handles its shards with `DeviceShards`. The members
-    on a device are vmapped (each member's collectives stay within its own shards), or with
-    `batch_members=False` run one after another (`lax.map`): XLA compiles a batch of members
-    otherwise than one member, in the last bits, and a member run in turn computes what its
-    single run computes, bit for bit (`train.batch_members`). With `over_members=False`,
-    `per_device` sees all of its device's members at once (leaves [members_per_device, ...])
-    and maps over them itself: what a population-based training step across members needs.
+    mesh (`global_arrays.shared_array`) and not batched. `per_device` sees one member's
+    leaves, per-shard ones as [shards_per_device], and handles its shards with
+    `DeviceShards`. The members on a device are vmapped (each member's collectives stay
+    within its own shards), or with `batch_members=False` run one after another
+    (`lax.map`): XLA compiles a batch of members otherwise than one member, in the last
+    bits, and a member run in turn computes what its single run computes, bit for bit
+    (`train.batch_members`). With `over_members=False`, `per_device` sees all of its
+    device's members at once (leaves [members_per_device, ...]) and maps over them itself:
+    what a population-based training step across members needs.
     `check_vma=False` gives pmap semantics: `jax.grad` inside `per_device` is the local
     gradient, and `DeviceShards.mean` then averages it (with the default `check_vma=True`,
     grad would already sum over devices).
@@ -155,157 +371,3 @@ def make_population_mesh(member_devices: int, shard_devices: int,
     holds whole members, a row's devices split their shards."""
     grid = np.asarray(jax.devices() if devices is None else devices).reshape(member_devices, shard_devices)
     return Mesh(grid, (MEMBER_AXIS, DEVICE_AXIS))
-
-
-def put_members(tree: Any, mesh: Mesh, layouts: Any = PER_SHARD) -> Any:
-    """Host arrays leading [num_members, num_shards] (per-shard leaves) or [num_members]
-    (per-member ones, as `layouts` says) as global arrays placed on `mesh`, each process
-    holding its own part; a run's mesh (no member axis) takes its one member's."""
-
-    def put(leaf: Any, placement: NamedSharding) -> jax.Array:
-        host = np.asarray(leaf) if is_population(mesh) else np.asarray(leaf)[0]
-        return jax.make_array_from_callback(host.shape, placement, lambda index: host[index])
-
-    return jax.tree.map(put, tree, leaf_placements(layouts, tree, mesh))
-
-
-def member_values(tree: Any, mesh: Mesh) -> Any:
-    """Host copy of every member's value of a per-member `tree`: leaves [num_members, ...].
-    A population's is gathered on every process; a run's is read from this process's devices."""
-    if not is_population(mesh):
-        return jax.tree.map(lambda leaf: leaf[None], local_copy(tree))
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
-
-
-def local_copy(tree: Any) -> Any:
-    """Host copy of a run's per-member `tree`, from one of this process's devices."""
-    return jax.tree.map(lambda leaf: np.asarray(leaf.addressable_shards[0].data), tree)
-
-
-def params_digests(params: Any, mesh: Mesh) -> list[float]:
-    """`params_digest` of every member."""
-    leaves = jax.tree.leaves(member_values(params, mesh))
-    return [_host_digest([leaf[member] for leaf in leaves]) for member in range(leaves[0].shape[0])]
-
-
-def shared_array(mesh: Mesh, value: np.ndarray) -> jax.Array:
-    """Host `value` as a global array replicated on every device of the mesh: an argument
-    at `shared_argnums` of `shard_parallel`."""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, replicated_sharding(mesh), lambda index: value[index])
-
-
-def replicated_sharding(mesh: Mesh) -> NamedSharding:
-    """The placement of `shared_array`s: a whole copy on every device."""
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def first_shard(tree: Any) -> Any:
-    """Host copy of one shard's slice of every leaf of a per-shard tree (from this process's own devices)."""
-
-    def take(leaf: jax.Array) -> np.ndarray:
-        local = min(leaf.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return np.asarray(local.data)[0]  # index on the host: no small device program per leaf
-
-    return jax.tree.map(take, tree)
-
-
-def all_shards(tree: Any) -> Any:
-    """Host copy of every shard of every leaf (single-process runs and tests)."""
-    return jax.tree.map(lambda leaf: np.asarray(jax.device_get(leaf)), tree)
-
-
-def params_digest(params: Any) -> float:
-    """float64 sum of |p| over every parameter of a run's (per-member) `params`."""
-    return _host_digest(jax.tree.leaves(local_copy(params)))
-
-
-def _host_digest(leaves: list[np.ndarray]) -> float:
-    return float(sum(np.abs(np.asarray(leaf, dtype=np.float64)).sum() for leaf in leaves))
-
-
-def _leaf_bits(leaf: jax.Array) -> jax.Array:
-    """The raw bits of `leaf` as uint32 words (`shards.as_words`; typed keys as their key data)."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        leaf = jax.random.key_data(leaf)
-    return as_words(leaf)
-
-
-def _mix(bits: jax.Array) -> jax.Array:
-    """murmur3's 32-bit finaliser: a bijection, so a changed input always changes the output."""
-    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
-        bits = (bits ^ (bits >> shift)) * jnp.uint32(factor)
-    return bits ^ (bits >> 16)
-
-
-def _bit_checksum(tree: Any) -> jax.Array:
-    """Two wrapping sums ([2] uint32) over the raw bits of every element of every leaf, laid
-    end to end, each mixed with its position first: any changed element changes both sums,
-    and so does a moved one (barring collisions, about 2**-64). One pass over one vector:
-    tested leaf by leaf, the program took seconds to compile."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros(2, jnp.uint32)
-    bits = jnp.concatenate([_leaf_bits(leaf).reshape(-1) for leaf in leaves])
-    salt = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-    lanes = (_mix(bits ^ salt), _mix(_mix(bits + salt) ^ jnp.uint32(0x5BD1E995)))
-    return jnp.stack([jnp.sum(lane, dtype=jnp.uint32) for lane in lanes])
-
-
-def _as_uint64(lanes: np.ndarray) -> np.ndarray:
-    """[..., 2] uint32 checksums as [...] uint64."""
-    lanes = np.asarray(lanes).astype(np.uint64)
-    return (lanes[..., 0] << np.uint64(32)) | lanes[..., 1]
-
-
-def by_layout(tree: Any) -> tuple[list[Any], list[Any]]:
-    """The leaves of a global `tree` (arrays, or shapes with shardings) on a training mesh:
-    (the per-shard ones, the per-member ones), each in tree order."""
-    leaves = jax.tree.leaves(tree)
-    is_per_shard = [leaf.sharding.spec == layout_spec(PER_SHARD, leaf.sharding.mesh) for leaf in leaves]
-    return ([leaf for leaf, shard in zip(leaves, is_per_shard) if shard],
-            [leaf for leaf, shard in zip(leaves, is_per_shard) if not shard])
-
-
-@functools.lru_cache(maxsize=None)
-def checksum_program(mesh: Mesh) -> Callable:
-    """The program of `state_checksums` on `mesh`, called with `by_layout(tree)`; to call
-    or to compile ahead of time."""
-
-    def checksums(per_shard_leaves: list[jax.Array], per_member_leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        return DeviceShards.map_batched(_bit_checksum, per_shard_leaves), _bit_checksum(per_member_leaves)
-
-    return shard_parallel(checksums, mesh, in_layouts=(PER_SHARD, PER_MEMBER), out_layouts=(PER_SHARD, PER_MEMBER))
-
-
-def state_checksums(tree: Any, mesh: Mesh, checksum: Optional[Callable] = None) -> np.ndarray:
-    """The `_bit_checksum`s of a global state on `mesh` (per-shard and per-member leaves, see
-    `by_layout`), computed where the values lie (by `checksum`, `checksum_program(mesh)`
-    compiled for the tree, if given) and gathered: [..., num_shards + 1] uint64 with the
-    mesh's member axis, each shard's then its member's, the same on every process. A
-    collective in a multi-process run."""
-    per_shard, per_member = (checksum or checksum_program(mesh))(*by_layout(tree))
-    gathered = multihost_utils.process_allgather((per_shard, per_member), tiled=True)
-    return np.concatenate([_as_uint64(gathered[0]), _as_uint64(gathered[1])[..., None]], axis=-1)
-
-
-def replica_checksums(tree: Any, mesh: Mesh) -> np.ndarray:
-    """The `_bit_checksum` of every device's copy of a per-member `tree`: [..., devices per
-    member] uint64 with the mesh's member axis, the same on every process (a collective)."""
-    per_device = shard_parallel(lambda member_tree: _bit_checksum(member_tree)[None], mesh, in_layouts=(PER_MEMBER,))
-    return _as_uint64(multihost_utils.process_allgather(per_device(tree), tiled=True))
-
-
-def state_digest(tree: Any, checksum: Optional[Callable] = None) -> str:
-    """16 hex digits summing up every bit of every leaf of a global `tree`: of a state on a
-    training mesh (with per-shard leaves), its shards' and members' checksums (see
-    `state_checksums`), so the digest does not depend on the device or process count; of
-    any other tree, one checksum of all of it. The same on every process (a collective in
-    a multi-process run)."""
-    leaves = jax.tree.leaves(tree)
-    placement = getattr(leaves[0], "sharding", None) if leaves else None
-    if isinstance(placement, NamedSharding) and by_layout(tree)[0]:
-        checksums = state_checksums(tree, placement.mesh, checksum)
-    else:
-        checksums = _as_uint64(jax.device_get(jax.jit(_bit_checksum)(tree)))
-    return hashlib.sha256(np.ascontiguousarray(checksums, dtype="<u8").tobytes()).hexdigest()[:16]

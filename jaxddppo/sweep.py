@@ -24,13 +24,13 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
 from jaxddppo.config.files import as_config, load_config, load_resume_config
-from jaxddppo.config.options import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
+from jaxddppo.config.options import Config, ConfigError, RESUMABLE_KEYS, TRACED_KEYS
 from jaxddppo.config.reference import help_text
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.distributed import multiprocess
+from jaxddppo.distributed import global_arrays, multiprocess
 from jaxddppo.outputs.writers import PBT_FILE, Progress, format_mean_std, format_return, json_safe, write_json
 from jaxddppo.plot import PBT_CURVES_FILE, SWEEP_CURVES_FILE, plot_pbt, plot_sweep, read_metrics
 from jaxddppo.references import with_objects
@@ -92,7 +92,7 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
 def member_rows(population: Experiment, trained: TrainResult) -> list[dict]:
     """The rows of sweep.csv: one per member; with PBT, each member's final hyperparameters,
     exploits and lineage follow."""
-    digests = sharding.params_digests(trained.state.params, population.mesh)
+    digests = global_arrays.params_digests(trained.state.params, population.mesh)
     evaluations = population.final_evaluations(trained.state, trained.final_evaluate)
     pbt_columns = pbt_member_columns(population, trained)
     rows = []
@@ -119,7 +119,7 @@ def pbt_member_columns(population: Experiment, trained: TrainResult) -> list[dic
     settings, num_members = population.pbt, len(population.members)
     if settings is None:
         return [{} for _ in range(num_members)]
-    final = sharding.member_values(trained.state.pbt.hyperparams, population.mesh)
+    final = global_arrays.member_values(trained.state.pbt.hyperparams, population.mesh)
     path = os.path.join(trained.run_dir, PBT_FILE)
     rows = read_metrics(path) if os.path.exists(path) else None
     lineage = pbt.lineages(rows, num_members) if rows is not None else [None] * num_members
@@ -215,8 +215,8 @@ def _summary(population: Experiment, trained: TrainResult, best: dict) -> dict:
         "num_settings": num_settings,
         "num_seeds": num_members // num_settings,
         "num_shards": topology.num_shards,
-        "member_devices": mesh.shape[shards.MEMBER_AXIS],
-        "shard_devices": mesh.shape[shards.DEVICE_AXIS],
+        "member_devices": mesh.shape[sharding.MEMBER_AXIS],
+        "shard_devices": mesh.shape[sharding.DEVICE_AXIS],
         "num_devices": mesh.devices.size,
         "num_processes": jax.process_count(),
         "backend": jax.default_backend(),

@@ -118,7 +118,7 @@ def host_leaves(tree) -> list[np.ndarray]:
     """Every leaf of a global state on the host (all shards), typed keys as their raw key data."""
     import jax
 
-    from jaxddppo.sharding import all_shards
+    from jaxddppo.distributed.global_arrays import all_shards
 
     def raw(leaf):
         return jax.random.key_data(leaf) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO_ROOT, subprocess_env
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import load_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -506,9 +506,9 @@ def test_env_rates_refuses_contenders_without_the_core_in_one_line(capsys):
 ])
 def test_collectives_reads_how_shards_are_summed_from_the_compiled_program(exact, expected):
     """benchmarks/collectives.py on a sum of 1,000 values over 2 devices, one shard each."""
-    device_shards = shards.DeviceShards(exact)
+    device_shards = sharding.DeviceShards(exact)
     program = sharding.shard_parallel(device_shards.sum, sharding.make_mesh(jax.devices()[:2]),
-                                      out_layouts=shards.PER_MEMBER)
+                                      out_layouts=sharding.PER_MEMBER)
     text = program.lower(np.ones((2, 1000), np.float32)).compile().as_text()
     assert [found for found in collectives.collectives(text) if found[1] >= 1000] == expected
     row = collectives.gradient_row({"devices": 2, "exact_reductions": exact, "parameters": 1000,

@@ -21,16 +21,16 @@ import pytest
 import yaml
 from conftest import host_leaves, small_config, subprocess_env
 
-from jaxddppo import sharding
 from jaxddppo.config.files import load_config, load_resume_config, with_overrides
 from jaxddppo.config.options import ConfigError
+from jaxddppo.distributed import global_arrays
 from jaxddppo.evaluate import evaluate, statistics
-from jaxddppo.normalization import normalize
 from jaxddppo.outputs.policy import load_policy
 from jaxddppo.outputs.writers import truncate_metrics
+from jaxddppo.rollout import normalize
 from jaxddppo.train import run
 from jaxddppo.training import checkpoint
-from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
+from jaxddppo.training.checkpoint import Checkpointer, PREEMPTED_EXIT_CODE, SaveSchedule
 from jaxddppo.training.chunk_metrics import NonFiniteError
 from jaxddppo.training.experiment import Experiment, all_finite, build, compile_programs, update_count
 from jaxddppo.training.loop import chunk_plan
@@ -202,7 +202,7 @@ def test_time_based_checkpoints_fall_on_chunk_boundaries(tmp_path, every_seconds
     restored, counters = checkpointer.restore(12, result.state)
     checkpointer.close()
     assert counters.update == 12
-    assert sharding.params_digest(restored.params) == result.summary["params_digest"]
+    assert global_arrays.params_digest(restored.params) == result.summary["params_digest"]
 
 
 def corrupt(step_dir: Path) -> None:
@@ -486,7 +486,7 @@ def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
 
 def test_load_policy_acts_like_the_trained_params(one_go):
     policy = load_policy(one_go.run_dir)
-    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(sharding.local_copy(one_go.state.params)),
+    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(global_arrays.local_copy(one_go.state.params)),
                          strict=True):
         np.testing.assert_array_equal(got, want)
     assert policy.obs_moments is not None and float(policy.obs_moments.count) > 0

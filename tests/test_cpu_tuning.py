@@ -28,7 +28,7 @@ from jaxddppo.cpu.tuning import (
     sort_permutations,
     with_cpu_devices,
 )
-from jaxddppo.minibatches import Minibatching, minibatch_indices, random_permutations, sequence_indices
+from jaxddppo.ppo import epoch_indices, random_permutations
 
 
 def reference_permutations(key: jax.Array, num_permutations: int, n: int) -> np.ndarray:
@@ -72,10 +72,9 @@ def test_sort_permutations_draw_every_order_equally_often():
 
 @pytest.mark.parametrize("permutations", [random_permutations, sort_permutations])
 def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(permutations):
-    sizes = Minibatching(num_epochs=3, num_minibatches=4, minibatch_size=16, num_envs=8, permutations=permutations)
     key = jax.random.key(5)
-    samples = np.asarray(minibatch_indices(key, sizes)).reshape(3, -1)
-    sequences = np.asarray(sequence_indices(key, sizes)).reshape(3, -1)
+    samples = np.asarray(epoch_indices(key, 3, 4, 64, permutations)).reshape(3, -1)  # 4 minibatches of 16 samples
+    sequences = np.asarray(epoch_indices(key, 3, 4, 8, permutations)).reshape(3, -1)  # of 2 environments' sequences
     for epochs, size in ((samples, 64), (sequences, 8)):
         for epoch in epochs:
             np.testing.assert_array_equal(np.sort(epoch), np.arange(size))

@@ -22,16 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.options import ConfigError, NetworkConfig
 from jaxddppo.cpu.tuning import sort_permutations
+from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.envs.resets import take_pending
-from jaxddppo.loss import Batch, LossInfo, PPOHyperparams, ppo_loss
-from jaxddppo.minibatches import minibatch_indices, random_permutations
+from jaxddppo.envs.base import take_pending
 from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
-from jaxddppo.ppo import UpdateSettings, optimizer_state, run_epochs
-from jaxddppo.rollout import gae
+from jaxddppo.ppo import (
+    LossInfo,
+    PPOHyperparams,
+    UpdateSettings,
+    epoch_indices,
+    optimizer_state,
+    ppo_loss,
+    random_permutations,
+    run_epochs,
+)
+from jaxddppo.rollout import Batch, gae
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -483,8 +491,8 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(permutations):
     hp = hyperparams().replace(learning_rate=jnp.float32(learning_rate), max_grad_norm=jnp.float32(max_grad_norm),
                                adam_eps=jnp.float32(adam_eps))
     settings = UpdateSettings(
-        num_steps=8, num_epochs=2, num_minibatches=2, minibatch_size=4, num_shards=1, num_updates=1,
-        clip_value=True, normalize_advantages=False, anneal_lr=False, num_envs=1, recurrent=False,
+        num_steps=8, num_envs_per_shard=1, num_epochs=2, num_minibatches=2, num_shards=1, num_updates=1,
+        clip_value=True, normalize_advantages=False, anneal_lr=False, recurrent=False,
         critic_after_steps=False, normalize_observations=False, scale_rewards=False,
         permutations=permutations,
     )
@@ -498,11 +506,11 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(permutations):
 
     batch = Batch(**{name: jnp.asarray(value)[None] for name, value in batch_np.items()})
     mesh = sharding.make_mesh(jax.devices()[:1])
-    member, shard = shards.PER_MEMBER, shards.PER_SHARD
+    member, shard = sharding.PER_MEMBER, sharding.PER_SHARD
     new_params, _, info = sharding.shard_parallel(per_device, mesh, out_layouts=(member, member, shard))(batch)
-    new_params, info = sharding.local_copy(new_params), sharding.first_shard(info)
+    new_params, info = global_arrays.local_copy(new_params), global_arrays.first_shard(info)
 
-    minibatches = np.asarray(minibatch_indices(key, settings.minibatching)).reshape(4, 4)
+    minibatches = np.asarray(epoch_indices(key, 2, 2, 8, permutations)).reshape(4, 4)
     expected, norms = clipped_adam_reference(params, batch_np, minibatches, learning_rate, max_grad_norm, adam_eps)
     assert min(norms) < max_grad_norm < max(norms), norms  # clipped and unclipped steps both
     np.testing.assert_allclose(np.ravel(info.grad_norm), norms, rtol=1e-5)  # every step's, in order

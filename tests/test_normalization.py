@@ -17,21 +17,24 @@ import numpy as np
 import pytest
 from conftest import device_copies, jit_stages
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict
 from jaxddppo.config.options import NetworkConfig
+from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import make_env
-from jaxddppo.networks import make_actor_critic, policy_step
-from jaxddppo.normalization import (
+from jaxddppo.networks import make_actor_critic
+from jaxddppo.ppo import scale_rollout_rewards
+from jaxddppo.rollout import (
     OBS_CLIP,
+    RolloutState,
     RunningMoments,
+    collect_rollout,
     discounted_returns,
     init_moments,
     merge_moments,
+    policy_step,
     update_moments,
 )
-from jaxddppo.ppo import scale_rollout_rewards
-from jaxddppo.rollout import RolloutState, collect_rollout
 from jaxddppo.training.eval_episodes import evaluate_policy
 from jaxddppo.training.experiment import build, update_count
 
@@ -62,7 +65,7 @@ def rollouts_with_statistics(num_devices: int):
     network = make_actor_critic(NetworkConfig(hidden_sizes=(8,)), env.spec)
     mesh = sharding.make_mesh(jax.devices()[:num_devices])
 
-    device_shards = shards.DeviceShards()
+    device_shards = sharding.DeviceShards()
 
     def per_device(shard_index):
         shards_per_device = shard_index.shape[0]
@@ -93,11 +96,11 @@ def rollouts_with_statistics(num_devices: int):
         data = tuple(jnp.concatenate(x, axis=1) for x in (observations, rewards, dones))
         return obs_moments, return_moments, scaled.rewards, data
 
-    indices = sharding.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
-    member, shard = shards.PER_MEMBER, shards.PER_SHARD
+    indices = global_arrays.put_members(np.arange(NUM_SHARDS, dtype=np.int32)[None], mesh)
+    member, shard = sharding.PER_MEMBER, sharding.PER_SHARD
     obs_moments, return_moments, rewards, data = sharding.shard_parallel(
         per_device, mesh, out_layouts=(member, member, shard, shard))(indices)
-    return (*device_copies((obs_moments, return_moments)), *sharding.all_shards((rewards, data)))
+    return (*device_copies((obs_moments, return_moments)), *global_arrays.all_shards((rewards, data)))
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +165,11 @@ def test_large_mean_does_not_cancel_the_variance():
     def per_device(samples):
         moments = init_moments((1,))
         for index in range(len(batches)):
-            moments = update_moments(moments, samples[:, index], shards.DeviceShards())
+            moments = update_moments(moments, samples[:, index], sharding.DeviceShards())
         return moments
 
     split = jnp.asarray(np.stack(batches).reshape(3, 2, 128, 1).transpose(1, 0, 2, 3))  # [S, R, N, 1]
-    moments = sharding.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=shards.PER_MEMBER)(split))
+    moments = global_arrays.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=sharding.PER_MEMBER)(split))
     _, mean, variance = numpy_moments(np.concatenate(batches))
     naive = np.mean(np.square(np.concatenate(batches)), axis=0, dtype=np.float32) - np.float32(mean) ** 2
     assert abs(naive[0] - variance[0]) > 0.5 * variance[0], "the reference for the naive formula"

@@ -15,9 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict
 from jaxddppo.config.options import ConfigError
+from jaxddppo.distributed import global_arrays
 from jaxddppo.outputs.writers import METRIC_FIELDS, Progress
 from jaxddppo.train import run
 from jaxddppo.training.eval_episodes import evaluate_policy
@@ -50,7 +51,7 @@ def noisy_params(experiment):
     leaves, treedef = jax.tree.flatten(experiment.network.init(jax.random.key(0), obs))
     keys = jax.random.split(jax.random.key(42), len(leaves))
     noisy = [np.asarray(leaf + jax.random.normal(key, leaf.shape)) for leaf, key in zip(leaves, keys)]
-    placement = sharding.shard_sharding(experiment.mesh, shards.PER_MEMBER)
+    placement = sharding.shard_sharding(experiment.mesh, sharding.PER_MEMBER)
     return treedef.unflatten([jax.device_put(leaf, placement) for leaf in noisy])
 
 
@@ -58,9 +59,9 @@ def eval_on_shards(config_values: dict, num_devices: int, update_index: int):
     """An evaluation as the run computes it, of `noisy_params`, and those parameters."""
     experiment = build(from_dict(config_values), jax.devices()[:num_devices])
     params = noisy_params(experiment)
-    update = jax.device_put(np.int32(update_index), sharding.shard_sharding(experiment.mesh, shards.PER_MEMBER))
+    update = jax.device_put(np.int32(update_index), sharding.shard_sharding(experiment.mesh, sharding.PER_MEMBER))
     stats = experiment.eval_fn()(params, None, update, experiment.shard_inputs())
-    return experiment, sharding.local_copy(params), stats
+    return experiment, global_arrays.local_copy(params), stats
 
 
 def test_evaluation_over_shards_matches_numpy_on_1_and_4_devices(tmp_path):
@@ -73,7 +74,7 @@ def test_evaluation_over_shards_matches_numpy_on_1_and_4_devices(tmp_path):
         for field in ("return_mean", "return_std", "length_mean"):  # identical on every device
             copies = [np.asarray(copy.data) for copy in getattr(stats, field).addressable_shards]
             assert len(copies) == num_devices and all(copy == copies[0] for copy in copies), (field, copies)
-        results[num_devices] = jax.tree.map(float, sharding.local_copy(stats))
+        results[num_devices] = jax.tree.map(float, global_arrays.local_copy(stats))
 
     # The reference: each episode alone, with the key of its global index, reduced in float64.
     eval_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 3), update_index)
@@ -129,7 +130,7 @@ def test_run_evaluates_on_its_cadence_with_the_current_policy(logged_run):
             assert (row[name] is not None) == evaluated, (name, row)
     # The last evaluation is of the final parameters, with the key of update 8.
     experiment = build(config, jax.devices()[:2])
-    final = sharding.local_copy(experiment.eval_fn()(result.state.params, result.state.obs_moments,
+    final = global_arrays.local_copy(experiment.eval_fn()(result.state.params, result.state.obs_moments,
                                                      result.state.update_index, experiment.shard_inputs()))
     assert [rows[-1][name] for name in eval_names] == [
         float(final.return_mean), float(final.return_std), float(final.length_mean)

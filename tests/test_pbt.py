@@ -27,10 +27,11 @@ import pytest
 from conftest import PNG_SIGNATURE, host_leaves, subprocess_env
 
 import jaxddppo
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict, with_overrides
-from jaxddppo.config.options import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
-from jaxddppo.loss import PPOHyperparams
+from jaxddppo.config.options import ConfigError, PBTConfig, PPOConfig, TRACED_BOUNDS, TRACED_KEYS
+from jaxddppo.distributed import global_arrays
+from jaxddppo.ppo import PPOHyperparams
 from jaxddppo.sweep import resume_sweep
 from jaxddppo.training import pbt
 
@@ -102,23 +103,23 @@ def test_exploit_copies_exactly_the_winners_state():
         carried, state = pbt.exploit(the_settings, carried, state, fitness, jnp.int32(4))
         return carried, state.replace(key=jax.random.key_data(state.key))
 
-    member = shards.PER_MEMBER
+    member = sharding.PER_MEMBER
     run = sharding.shard_parallel(step, mesh, over_members=False, in_layouts=(member, member, member),
                                   out_layouts=member)
     state = state.replace(key=jax.random.key_data(state.key))
-    arguments = sharding.put_members((carried, state, fitness), mesh, member)
+    arguments = global_arrays.put_members((carried, state, fitness), mesh, member)
     gathered = [line for line in run.lower(*arguments).compile().as_text().splitlines()
                 if " all-gather(" in line or " all-gather-start(" in line]
     gathered_shapes = {shape for line in gathered
                        for shape in re.findall(r"\[([0-9,]*)\]", line.split("=", 1)[1].split("all-gather")[0])}
     assert gathered and gathered_shapes == {str(num_members)}, gathered
     new_carried, new_state = run(*arguments)
-    got = jax.tree.map(np.asarray, sharding.all_shards(new_carried))
+    got = jax.tree.map(np.asarray, global_arrays.all_shards(new_carried))
     carried = jax.tree.map(np.asarray, carried)
     for name in carried:
         np.testing.assert_array_equal(bits(got[name][[0, 2, 3]]), bits(carried[name][[0, 2, 3]]))
         np.testing.assert_array_equal(bits(got[name][1]), bits(carried[name][2]))
-    record = sharding.all_shards(new_state)
+    record = global_arrays.all_shards(new_state)
     assert np.asarray(record.copied_from).tolist() == [-1, 2, -1, -1]
     learning_rates = np.asarray(record.hyperparams.learning_rate)
     np.testing.assert_array_equal(learning_rates[[0, 2, 3]], np.asarray(hyperparams.learning_rate)[[0, 2, 3]])

@@ -20,14 +20,21 @@ import numpy as np
 import pytest
 from conftest import host_leaves
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict
 from jaxddppo.config.options import ConfigError, NetworkConfig
+from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import BatchedEnv, EnvSpec
 from jaxddppo.envs.base import observation_spec
 from jaxddppo.networks import Categorical, make_actor_critic
-from jaxddppo.normalization import OBS_CLIP, init_observation_moments, normalize, update_moments
-from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.rollout import (
+    OBS_CLIP,
+    RolloutState,
+    collect_rollout,
+    init_observation_moments,
+    normalize,
+    update_moments,
+)
 from jaxddppo.training.checkpoint import Checkpointer, RunCounters
 from jaxddppo.training.experiment import build, update_count
 
@@ -157,12 +164,12 @@ def test_observation_moments_are_per_leaf_and_leave_the_mask_alone():
     def per_device(samples):
         moments = init_observation_moments(spec)
         for batch in samples:
-            moments = update_moments(moments, batch, shards.DeviceShards())
+            moments = update_moments(moments, batch, sharding.DeviceShards())
         return moments, normalize(moments, samples[-1])
 
-    program = sharding.shard_parallel(per_device, mesh, out_layouts=(shards.PER_MEMBER, shards.PER_SHARD))
+    program = sharding.shard_parallel(per_device, mesh, out_layouts=(sharding.PER_MEMBER, sharding.PER_SHARD))
     moments, normalised = program(batches)
-    moments, normalised = sharding.local_copy(moments), sharding.first_shard(normalised)
+    moments, normalised = global_arrays.local_copy(moments), global_arrays.first_shard(normalised)
     assert moments.mean["action_mask"] is None and moments.m2["action_mask"] is None
     assert float(moments.count) == 24
     for name in ("image", "vector"):
@@ -193,7 +200,7 @@ def walk_experiment(num_devices: int, **network):
 def learn(experiment):
     """Three updates in one chunk: the initial parameters (shard 0, on the host) and the final state."""
     state = experiment.init_state()
-    initial_params = sharding.local_copy(state.params)
+    initial_params = global_arrays.local_copy(state.params)
     count = update_count(experiment.mesh, 3)
     state, metrics, finite = experiment.learn_fn()(state, experiment.shard_inputs(), count)
     assert np.all(np.asarray(finite))
@@ -217,12 +224,12 @@ def trained_on_one_and_two_devices():
 def test_training_on_dict_observations_is_the_same_on_one_and_two_devices(trained_on_one_and_two_devices):
     _, initial, one = trained_on_one_and_two_devices[1]
     _, _, two = trained_on_one_and_two_devices[2]
-    assert relative_l2(sharding.local_copy(one.params), initial) > 1e-4
-    assert relative_l2(sharding.local_copy(two.params), sharding.local_copy(one.params)) < 1e-6
-    moments = sharding.local_copy(one.obs_moments)
+    assert relative_l2(global_arrays.local_copy(one.params), initial) > 1e-4
+    assert relative_l2(global_arrays.local_copy(two.params), global_arrays.local_copy(one.params)) < 1e-6
+    moments = global_arrays.local_copy(one.obs_moments)
     assert moments.mean["action_mask"] is None and moments.mean["image"].shape == (5, 5, 3)
     assert float(moments.count) == 8 * 8 * 3
-    params = sharding.local_copy(one.params)["params"]["actor_torso"]
+    params = global_arrays.local_copy(one.params)["params"]["actor_torso"]
     assert set(params) == {"Conv_0", "Dense_0"}
     assert params["Dense_0"]["kernel"].shape == (3 * 3 * 2 + 4, 8)  # CNN features, then the vector
 
@@ -248,7 +255,7 @@ def test_a_dict_observation_state_checkpoints_and_evaluates(trained_on_one_and_t
 def test_a_recurrent_policy_trains_on_dict_observations():
     experiment = walk_experiment(1, recurrent="gru", recurrent_size=8, torso="mlp", shared_torso=True)
     initial, state = learn(experiment)
-    assert relative_l2(sharding.local_copy(state.params), initial) > 1e-4
+    assert relative_l2(global_arrays.local_copy(state.params), initial) > 1e-4
 
 
 def masked_spec(**changes) -> EnvSpec:

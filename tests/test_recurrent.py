@@ -19,15 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict, load_config
 from jaxddppo.config.options import ConfigError, NetworkConfig, PPOConfig
-from jaxddppo.distributed import topology
+from jaxddppo.distributed import global_arrays, topology
 from jaxddppo.envs import make_env
-from jaxddppo.loss import Batch, PPOHyperparams, SequenceObs, loss_apply_fn, mean_gradients
-from jaxddppo.minibatches import Minibatching, sequence_advantages, sequence_indices, take_sequences
-from jaxddppo.networks import make_actor_critic, policy_step, unroll
-from jaxddppo.rollout import RolloutState, collect_rollout
+from jaxddppo.networks import make_actor_critic, unroll
+from jaxddppo.ppo import PPOHyperparams, epoch_indices, loss_apply_fn, mean_gradients, sequence_advantages
+from jaxddppo.rollout import Batch, RolloutState, SequenceObs, collect_rollout, policy_step, take_sequences
 from jaxddppo.train import run
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -118,17 +117,9 @@ def test_unrolled_gaussian_policy_scores_whole_sequences():
     np.testing.assert_allclose(dist.log_prob(actions), np.stack(expected), rtol=1e-5, atol=1e-6)
 
 
-def sequence_settings(num_envs: int, num_epochs: int, num_minibatches: int) -> Minibatching:
-    return Minibatching(
-        num_epochs=num_epochs, num_minibatches=num_minibatches, minibatch_size=5 * num_envs // num_minibatches,
-        num_envs=num_envs,
-    )
-
-
 def test_sequence_minibatches_keep_each_environments_steps_in_order():
     num_steps, num_envs = 5, 6
-    settings = sequence_settings(num_envs, num_epochs=3, num_minibatches=2)
-    indices = np.asarray(sequence_indices(jax.random.key(0), settings))
+    indices = np.asarray(epoch_indices(jax.random.key(0), 3, 2, num_envs))
     assert indices.shape == (3, 2, 3)
     for epoch in indices:
         assert sorted(epoch.ravel().tolist()) == list(range(num_envs))
@@ -150,7 +141,7 @@ def test_sequence_minibatches_keep_each_environments_steps_in_order():
         np.testing.assert_array_equal(minibatch.obs.episode_start, expected % 7 == 0)
         np.testing.assert_array_equal(minibatch.obs.carry[0][:, 0], env_index)
     raw = np.asarray(sharding.shard_parallel(
-        lambda adv, idx: sequence_advantages(adv, idx, False, shards.DeviceShards()), sharding.make_mesh(jax.devices()[:1])
+        lambda adv, idx: sequence_advantages(adv, idx, False, sharding.DeviceShards()), sharding.make_mesh(jax.devices()[:1])
     )(jnp.asarray(code)[None], jnp.asarray(indices)[None]))[0]
     assert raw.shape == (3, 2, num_steps, 3)
     np.testing.assert_array_equal(raw, np.moveaxis(code[:, indices], 0, 2))
@@ -163,8 +154,8 @@ def test_sequence_advantages_normalised_over_the_global_minibatch():
     advantages = np.stack([5.0 + rng.normal(size=(5, 4)), -3.0 + 4.0 * rng.normal(size=(5, 4))]).astype(np.float32)
     indices = np.asarray([[[2, 0], [3, 1]]])  # [E=1, M=2, n=2]
     mesh = sharding.make_mesh(jax.devices()[:2])
-    normalised = sharding.all_shards(sharding.shard_parallel(
-        lambda adv, idx: sequence_advantages(adv, idx, True, shards.DeviceShards()), mesh
+    normalised = global_arrays.all_shards(sharding.shard_parallel(
+        lambda adv, idx: sequence_advantages(adv, idx, True, sharding.DeviceShards()), mesh
     )(jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (2,) + indices.shape)))
     for m in range(2):
         gathered = advantages.astype(np.float64)[:, :, indices[0, m]]  # [S, T, n]
@@ -189,10 +180,10 @@ def test_sharded_sequence_gradient_equals_single_shard_gradient(recurrent_rollou
     def gradients(num_shards: int):
         mesh = sharding.make_mesh(jax.devices()[:num_shards])
         per_device = lambda b: mean_gradients(params, b, loss_apply_fn(network), hyperparams, True,
-                                              shards.DeviceShards())[0]
+                                              sharding.DeviceShards())[0]
         envs = jnp.arange(4).reshape(num_shards, -1)
         split = jax.tree.map(lambda *x: jnp.stack(x), *[take_sequences(batch, e) for e in envs])
-        return sharding.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=shards.PER_MEMBER)(split))
+        return global_arrays.local_copy(sharding.shard_parallel(per_device, mesh, out_layouts=sharding.PER_MEMBER)(split))
 
     single, sharded = gradients(1), gradients(2)
     a, b = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]) for g in (sharded, single))

@@ -17,11 +17,11 @@ from jax.experimental import io_callback
 
 from jaxddppo.config.options import ConfigError
 from jaxddppo.envs import BatchedEnv, EnvSpec
-from jaxddppo.envs.base import observation_spec
-from jaxddppo.envs.resets import (
+from jaxddppo.envs.base import (
     ResetPool,
     branch_as_cond,
     branch_as_loop,
+    observation_spec,
     take_pending,
     take_slot_states,
     update_if_any,

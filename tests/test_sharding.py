@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 from conftest import REPO_ROOT, host_leaves, jit_stages, subprocess_env, xla_pool_threads_named
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import from_dict, load_config, with_overrides
 from jaxddppo.config.options import Config, ConfigError, NetworkConfig, PPOConfig
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.distributed import multiprocess, topology
+from jaxddppo.distributed import global_arrays, multiprocess, topology
 from jaxddppo.envs import make_env
-from jaxddppo.loss import Batch, PPOHyperparams, mean_gradients, normalize_minibatch_advantages
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.ppo import make_update
+from jaxddppo.ppo import PPOHyperparams, make_update, mean_gradients, normalize_minibatch_advantages
+from jaxddppo.rollout import Batch
 from jaxddppo.train import run
 from jaxddppo.training.experiment import ShardInputs, abstract_update_count, build, update_count
 
@@ -84,7 +84,7 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
     shard_size = global_size // num_shards
     mesh = sharding.make_mesh(jax.devices()[:num_devices])
 
-    device_shards = shards.DeviceShards()
+    device_shards = sharding.DeviceShards()
 
     def per_device(batch):
         shards_per_device = batch.advantage.shape[0]
@@ -95,9 +95,9 @@ def sharded_gradients(gradient_setup, num_shards: int, num_devices: int):
         return grads, info
 
     split = jax.tree.map(lambda x: x.reshape((num_shards, shard_size) + x.shape[1:]), global_batch)
-    grads, info = sharding.shard_parallel(per_device, mesh, out_layouts=(shards.PER_MEMBER, shards.PER_SHARD))(split)
+    grads, info = sharding.shard_parallel(per_device, mesh, out_layouts=(sharding.PER_MEMBER, sharding.PER_SHARD))(split)
     multiprocess.check_replicas(grads, mesh, after_update=0)
-    return sharding.local_copy(grads), sharding.all_shards(info)
+    return global_arrays.local_copy(grads), global_arrays.all_shards(info)
 
 
 @pytest.mark.parametrize("num_shards,num_devices", [(2, 2), (4, 4), (4, 2), (4, 1)])
@@ -241,8 +241,8 @@ def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_device
     experiment, state, _, (first_chunk, second_chunk) = runs_by_device_count[num_devices]
     multiprocess.check_replicas(state.params, experiment.mesh, after_update=6)
     multiprocess.check_replicas(state.opt_state, experiment.mesh, after_update=6)
-    assert int(sharding.local_copy(state.update_index)) == 6
-    observations = sharding.all_shards(state.rollout.obs)
+    assert int(global_arrays.local_copy(state.update_index)) == 6
+    observations = global_arrays.all_shards(state.rollout.obs)
     for other in range(1, 4):
         assert not np.array_equal(observations[0], observations[other])
     assert "compile" in {stage for stage, _ in first_chunk}, first_chunk  # what a recompilation reports
@@ -252,7 +252,7 @@ def test_replicas_identical_and_shards_distinct(runs_by_device_count, num_device
 def test_params_leave_their_initial_values(runs_by_device_count):
     experiment, state, _, _ = runs_by_device_count[1]
     initial = experiment.init_state()
-    assert relative_l2(sharding.local_copy(state.params), sharding.local_copy(initial.params)) > 1e-4
+    assert relative_l2(global_arrays.local_copy(state.params), global_arrays.local_copy(initial.params)) > 1e-4
 
 
 def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_device_count):
@@ -268,7 +268,7 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
     inputs = experiment.shard_inputs()
     scanned, scan_metrics = sharding.shard_parallel(
         scan_updates, experiment.mesh, in_layouts=(experiment.state_layout, ShardInputs.layout()),
-        out_layouts=(experiment.state_layout, shards.PER_MEMBER))(experiment.init_state(), inputs)
+        out_layouts=(experiment.state_layout, sharding.PER_MEMBER))(experiment.init_state(), inputs)
     learn, initial, two, one = (experiment.learn_fn(), experiment.init_state(), update_count(experiment.mesh, 2),
                                 update_count(experiment.mesh, 1))
     with jit_stages() as first_chunk:
@@ -279,7 +279,7 @@ def test_one_chunk_program_runs_chunks_of_any_length_as_a_scan_would(runs_by_dev
     assert second_chunk == [], f"the chunk of 1 update recompiled the program of 3: {second_chunk}"
     for got, want in zip(host_leaves(state), host_leaves(scanned), strict=True):
         np.testing.assert_array_equal(got, want)
-    first, second, reference = (sharding.local_copy(metrics) for metrics in (first_metrics, second_metrics, scan_metrics))
+    first, second, reference = (global_arrays.local_copy(metrics) for metrics in (first_metrics, second_metrics, scan_metrics))
     for name in ("policy_loss", "value_loss", "grad_norm", "learning_rate"):
         np.testing.assert_array_equal(getattr(first, name)[:2], getattr(reference, name)[:2])
         np.testing.assert_array_equal(getattr(second, name)[:1], getattr(reference, name)[2:])
@@ -316,8 +316,8 @@ def test_minibatch_advantages_normalised_over_all_shards():
     advantages = (50.0 + rng.normal(size=(num_shards, per_shard)) * np.arange(1, 5)[:, None]).astype(np.float32)
     indices = np.stack([rng.permutation(per_shard) for _ in range(2)]).reshape(2, 3, 4)  # [E, M, n]
     mesh = sharding.make_mesh(jax.devices()[:2])
-    normalise = lambda adv, idx: normalize_minibatch_advantages(adv, idx, shards.DeviceShards())
-    result = sharding.all_shards(sharding.shard_parallel(normalise, mesh)(
+    normalise = lambda adv, idx: normalize_minibatch_advantages(adv, idx, sharding.DeviceShards())
+    result = global_arrays.all_shards(sharding.shard_parallel(normalise, mesh)(
         jnp.asarray(advantages), jnp.broadcast_to(jnp.asarray(indices), (num_shards,) + indices.shape)
     ))
     gathered = advantages.astype(np.float64)[:, indices]  # [S, E, M, n]
@@ -356,8 +356,8 @@ THREADS_SCRIPT = """
 import json, sys
 from profile_update import xla_cpu_pool_threads
 from jaxddppo import train
-from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.config.files import from_dict
+from jaxddppo.cpu import tuning as cpu_tuning
 
 result = train.run(from_dict(json.loads(sys.argv[1])))
 print(json.dumps({"eigen_threads": xla_cpu_pool_threads(), "digest": result.summary["params_digest"],
@@ -439,7 +439,7 @@ def test_one_compiled_initialisation_and_evaluation_serve_every_seed():
     first_state, other_state = init(first.shard_inputs()), init(other.shard_inputs())
     for leaf, expected in zip(host_leaves(other_state), host_leaves(other.init_state()), strict=True):
         np.testing.assert_array_equal(leaf, expected)
-    assert sharding.params_digest(first_state.params) != sharding.params_digest(other_state.params)
+    assert global_arrays.params_digest(first_state.params) != global_arrays.params_digest(other_state.params)
 
 
 # jaxlib 0.11.2's compiler segfaults on these programs (see sharding._ZERO_SIZED_OPERAND_CRASH):

@@ -19,8 +19,9 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import flip_a_stored_bit, host_leaves, small_config, subprocess_env
 
-from jaxddppo import sharding, sweep, train
+from jaxddppo import sweep, train
 from jaxddppo.config.files import load_resume_config, to_yaml
+from jaxddppo.distributed import global_arrays
 from jaxddppo.outputs import writers
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import run
@@ -52,10 +53,10 @@ def test_digest_sees_every_changed_bit_and_no_placement(one_go):
     """The digest changes with one bit anywhere (a key, a counter, an env state, a parameter),
     and not with the device count holding the same shards."""
     state = one_go.state
-    digest = sharding.state_digest(state)
+    digest = global_arrays.state_digest(state)
     on_one_device = build(load_resume_config(one_go.run_dir), devices=jax.devices()[:1]).abstract_state()
     moved = jax.tree.map(lambda leaf, target: jax.device_put(leaf, target.sharding), state, on_one_device)
-    assert sharding.state_digest(moved) == digest
+    assert global_arrays.state_digest(moved) == digest
     leaves, treedef = jax.tree.flatten(state)
     key_leaf = next(i for i, leaf in enumerate(leaves) if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key))
     for index in (0, key_leaf, len(leaves) // 2, len(leaves) - 1):
@@ -67,7 +68,7 @@ def test_digest_sees_every_changed_bit_and_no_placement(one_go):
         if jax.dtypes.issubdtype(leaves[index].dtype, jax.dtypes.prng_key):
             changed = jax.random.wrap_key_data(changed)
         tree = jax.tree.unflatten(treedef, [*leaves[:index], changed, *leaves[index + 1:]])
-        assert sharding.state_digest(tree) != digest, index
+        assert global_arrays.state_digest(tree) != digest, index
 
 
 def messages(monkeypatch) -> list[str]:
@@ -327,7 +328,7 @@ def test_a_damaged_sweep_checkpoint_is_found_and_set_aside(tmp_path, monkeypatch
     changed = np.array(leaves[0])
     changed[1].reshape(-1)[0] = np.nextafter(changed[1].reshape(-1)[0], np.float32(np.inf))
     leaves[0] = jax.device_put(changed, leaves[0].sharding)
-    assert sharding.state_digest(jax.tree.unflatten(treedef, leaves)) != sharding.state_digest(done.state)
+    assert global_arrays.state_digest(jax.tree.unflatten(treedef, leaves)) != global_arrays.state_digest(done.state)
 
     flip_a_stored_bit(run_dir / "checkpoints" / "8")
     result = verify_command(run_dir)

@@ -31,11 +31,10 @@ from conftest import host_leaves, subprocess_env
 from matplotlib import image
 
 import jaxddppo
-from jaxddppo import sharding
 from jaxddppo.config.files import from_dict, with_overrides
 from jaxddppo.config.options import ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.distributed import topology
+from jaxddppo.distributed import global_arrays, topology
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, parse_args, resume_sweep
 from jaxddppo.train import run
 from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE
@@ -103,8 +102,8 @@ def test_member_in_turn_trains_bit_for_bit_as_its_single_run(member_1_single_run
     in_turn = jaxddppo.run_sweep(config, {"ppo.learning_rate": LEARNING_RATES}, seeds=NUM_SEEDS,
                                  devices=jax.devices()[:2])
     assert in_turn.summary["member_devices"] == 2 and in_turn.summary["num_members"] == 4
-    member_params = jax.tree.map(lambda leaf: leaf[1], sharding.all_shards(in_turn.state.params))
-    single_params = sharding.local_copy(member_1_single_run.state.params)
+    member_params = jax.tree.map(lambda leaf: leaf[1], global_arrays.all_shards(in_turn.state.params))
+    single_params = global_arrays.local_copy(member_1_single_run.state.params)
     for member_leaf, single_leaf in zip(jax.tree.leaves(member_params), jax.tree.leaves(single_params)):
         np.testing.assert_array_equal(member_leaf, single_leaf)
     assert in_turn.members[1]["params_digest"] == member_1_single_run.summary["params_digest"]

@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from jaxddppo.config.options import Config, DistributedConfig
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.sharding import is_population, replica_checksums
+from jaxddppo.distributed.global_arrays import replica_checksums
+from jaxddppo.sharding import is_population
 
 
 def broadcast_text(text: str, max_bytes: int = 4096) -> str:

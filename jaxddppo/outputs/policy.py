@@ -17,13 +17,13 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from jaxddppo import sharding
 from jaxddppo.config.files import load_resume_config
 from jaxddppo.config.options import Config
+from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic, policy_step
-from jaxddppo.normalization import RunningMoments
+from jaxddppo.networks import ActorCritic
 from jaxddppo.references import with_objects
+from jaxddppo.rollout import RunningMoments, policy_step
 from jaxddppo.training.checkpoint import Checkpointer, RunCounters
 from jaxddppo.training.experiment import build
 
@@ -105,5 +105,5 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     finally:
         checkpointer.close()
     return Policy(config=config, env=experiment.env, network=experiment.network,
-                  params=sharding.local_copy(state.params), obs_moments=sharding.local_copy(state.obs_moments),
+                  params=global_arrays.local_copy(state.params), obs_moments=global_arrays.local_copy(state.obs_moments),
                   counters=counters)

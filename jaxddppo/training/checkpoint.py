@@ -3,7 +3,7 @@
 A checkpoint is `RUN_DIR/checkpoints/<update>/` holding the global `TrainState`
 (every member's parameters, optimizer state and statistics, once; every shard's
 environment states and keys) and a
-small JSON record of the host-side counters, and a digest of both (`sharding.state_digest`
+small JSON record of the host-side counters, and a digest of both (`global_arrays.state_digest`
 of the state, a hash of the counters) taken from the arrays in memory. Orbax writes a step
 to a temporary directory and renames it when complete, so a save killed part-way never
 looks complete, and the digest is committed with the data it describes. A restore checks
@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxddppo import sharding
+from jaxddppo.distributed import global_arrays
 
 CHECKPOINT_SUBDIR = "checkpoints"
 # The layout of the saved state, recorded beside the counters; another is refused. 4: the
@@ -60,7 +60,7 @@ def _counters_record(counters: RunCounters) -> dict:
 def _digest(state: Any, counters_record: dict, checksum: Optional[Callable] = None) -> dict:
     """What a checkpoint records of itself (`state` global, whole; a collective)."""
     counters_text = json.dumps(counters_record, sort_keys=True).encode()
-    return {"state": sharding.state_digest(state, checksum),
+    return {"state": global_arrays.state_digest(state, checksum),
             "counters": hashlib.sha256(counters_text).hexdigest()[:16]}
 
 

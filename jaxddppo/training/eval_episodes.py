@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddppo.envs import BatchedEnv
-from jaxddppo.networks import ActorCritic, policy_step
-from jaxddppo.normalization import RunningMoments
-from jaxddppo.shards import DeviceShards
+from jaxddppo.networks import ActorCritic
+from jaxddppo.rollout import RunningMoments, policy_step
+from jaxddppo.sharding import DeviceShards
 
 
 @struct.dataclass
@@ -54,7 +54,7 @@ def evaluate_policy(
 ) -> EvalResult:
     """Run `num_episodes` environments with the policy's mode until each ends its first episode.
 
-    The policy acts as in training (`networks.policy_step`): observations
+    The policy acts as in training (`rollout.policy_step`): observations
     normalised by `obs_moments` if given, recurrent carry from fresh episodes.
     Episodes that reach the time limit count as ended; an environment whose episode
     ended is not restarted (no reset work). Jittable.

@@ -17,15 +17,22 @@ import numpy as np
 from flax import struct
 from jax.flatten_util import ravel_pytree
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.distributed import global_arrays
 from jaxddppo.distributed.topology import Topology, make_topology
 from jaxddppo.envs import BatchedEnv, make_env
-from jaxddppo.loss import PPOHyperparams
-from jaxddppo.minibatches import random_permutations
 from jaxddppo.networks import ActorCritic, make_actor_critic
-from jaxddppo.ppo import TrainState, UpdateMetrics, UpdateSettings, init_train_state, make_update
+from jaxddppo.ppo import (
+    PPOHyperparams,
+    TrainState,
+    UpdateMetrics,
+    UpdateSettings,
+    init_train_state,
+    make_update,
+    random_permutations,
+)
 from jaxddppo.references import UserObjects
 from jaxddppo.training import pbt
 from jaxddppo.training.eval_episodes import EvalResult, EvalStats, evaluate_on_shards, evaluate_policy_program
@@ -55,12 +62,12 @@ def run_updates(update: Callable[[TrainState, Any], tuple[TrainState, UpdateMetr
 
 def update_count(mesh: jax.sharding.Mesh, num_updates: int) -> jax.Array:
     """The `num_updates` argument of `run_updates`, replicated on every device of `mesh`."""
-    return sharding.shared_array(mesh, np.int32(num_updates))
+    return global_arrays.shared_array(mesh, np.int32(num_updates))
 
 
 def abstract_update_count(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
     """The shape, dtype and placement of `update_count(mesh, ...)`, for lowering."""
-    return jax.ShapeDtypeStruct((), np.int32, sharding=sharding.replicated_sharding(mesh))
+    return jax.ShapeDtypeStruct((), np.int32, sharding=global_arrays.replicated_sharding(mesh))
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class ShardInputs:
 
     @classmethod
     def layout(cls) -> ShardInputs:
-        return shards.field_layouts(cls, ("shard_index",))
+        return sharding.field_layouts(cls, ("shard_index",))
 
 
 @dataclass(frozen=True)
@@ -124,10 +131,8 @@ class Experiment:
         pbt_key = jax.random.fold_in(jax.random.key(self.config.train.seed), 4)
 
         def init(shard: ShardInputs) -> TrainState:
-            state = init_train_state(
-                shard.shard_index, shard.seed, self.env, self.network,
-                self.topology.num_envs_per_shard, shard.hyperparams, self.settings,
-            )
+            state = init_train_state(shard.shard_index, shard.seed, self.env, self.network, shard.hyperparams,
+                                     self.settings)
             if self.pbt is None:
                 return state
             return pbt.PBTTrainState(**vars(state), pbt=pbt.init_pbt_state(shard.hyperparams, pbt_key))
@@ -139,7 +144,7 @@ class Experiment:
 
     def shard_inputs(self) -> ShardInputs:
         hyperparams = [PPOHyperparams.from_config(member.config.ppo) for member in self.members]
-        return sharding.put_members(ShardInputs(
+        return global_arrays.put_members(ShardInputs(
             shard_index=np.tile(np.arange(self.topology.num_shards, dtype=np.int32), (len(self.members), 1)),
             seed=np.array([member.seed for member in self.members], np.int32),
             hyperparams=jax.tree.map(lambda *leaves: np.stack(leaves), *hyperparams),
@@ -174,11 +179,11 @@ class Experiment:
             return state, metrics, all_finite(state.params)
 
         layouts = dict(in_layouts=(self.state_layout, ShardInputs.layout(), None),
-                       out_layouts=(self.state_layout, shards.PER_MEMBER, shards.PER_MEMBER))
+                       out_layouts=(self.state_layout, sharding.PER_MEMBER, sharding.PER_MEMBER))
         if self.pbt is None:
             return sharding.shard_parallel(learn, self.mesh, donate_argnums=(0,), shared_argnums=(2,),
                                           batch_members=self.batch_members, **layouts)
-        learn_members = shards.over_leading_axis(learn, (2,), batched=self.batch_members)
+        learn_members = sharding.over_leading_axis(learn, (2,), batched=self.batch_members)
 
         def learn_and_exploit(state: TrainState, shard: ShardInputs, num_updates: jax.Array
                               ) -> tuple[TrainState, UpdateMetrics, jax.Array]:
@@ -194,7 +199,7 @@ class Experiment:
         """PBT's step on a device's members (leaves [members_per_device, ...])."""
         update_index = state.update_index[0]
         if self.pbt.fitness == "eval_return":
-            evaluate = shards.over_leading_axis(self._evaluate, (), batched=self.batch_members)
+            evaluate = sharding.over_leading_axis(self._evaluate, (), batched=self.batch_members)
             fitness = evaluate(state.params, state.obs_moments, state.update_index, shard).return_mean
         else:
             fitness = jax.vmap(pbt.interval_fitness)(state.pbt)
@@ -209,7 +214,7 @@ class Experiment:
 
         The evaluation after update `u` uses the same episode keys whatever the shard count.
         """
-        member = shards.PER_MEMBER
+        member = sharding.PER_MEMBER
         return sharding.shard_parallel(self._evaluate, self.mesh, batch_members=self.batch_members,
                                        in_layouts=(member, member, member, ShardInputs.layout()), out_layouts=member)
 
@@ -225,7 +230,7 @@ class Experiment:
                           ) -> list[EvalResult]:
         """Every member's final deterministic evaluation, on the host, one member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
         `program` (`Programs.final_evaluate`), else compiled now."""
-        params, obs_moments = sharding.member_values((state.params, state.obs_moments), self.mesh)
+        params, obs_moments = global_arrays.member_values((state.params, state.obs_moments), self.mesh)
         evaluate = program if program is not None else self.lower_final_evaluation(state).compile()
         return [
             evaluate(jax.tree.map(lambda leaf: leaf[member.index], params), final_eval_key(member.config),
@@ -276,15 +281,14 @@ def update_settings(config: Config, topology: Topology) -> UpdateSettings:
     ppo = config.ppo
     return UpdateSettings(
         num_steps=ppo.num_steps,
+        num_envs_per_shard=topology.num_envs_per_shard,
         num_epochs=ppo.num_epochs,
         num_minibatches=ppo.num_minibatches,
-        minibatch_size=topology.minibatch_size_per_shard,
         num_shards=topology.num_shards,
         num_updates=topology.num_updates,
         clip_value=ppo.clip_value,
         normalize_advantages=ppo.normalize_advantages,
         anneal_lr=ppo.anneal_lr,
-        num_envs=topology.num_envs_per_shard,
         recurrent=config.network.recurrent is not None,
         critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
         normalize_observations=config.env.normalize_observations,
@@ -344,7 +348,7 @@ class Programs:
     init: Callable[[ShardInputs], TrainState]
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
-    checksum: Callable[..., tuple[jax.Array, jax.Array]]  # a checkpoint's digest (`sharding.state_checksums`)
+    checksum: Callable[..., tuple[jax.Array, jax.Array]]  # a checkpoint's digest (`global_arrays.state_checksums`)
     final_evaluate: Optional[jax.stages.Compiled]  # `Experiment.final_evaluations`' program, if asked for
 
     def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
@@ -355,7 +359,7 @@ class Programs:
         if self.evaluate is None or updates_done % every_updates:
             return None
         stats = self.evaluate(state.params, state.obs_moments, state.update_index, self.inputs)
-        return sharding.member_values(stats, mesh)
+        return global_arrays.member_values(stats, mesh)
 
 
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
@@ -385,7 +389,7 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         ), tuned())
     if final_evaluation:
         lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
-    lowerings["checksum"] = (lambda: sharding.checksum_program(experiment.mesh).lower(*sharding.by_layout(state)),
+    lowerings["checksum"] = (lambda: global_arrays.checksum_program(experiment.mesh).lower(*global_arrays.by_layout(state)),
                              tuned())
     lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:

@@ -14,26 +14,19 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import jax
 import numpy as np
 
-from jaxddppo import sharding, shards
+from jaxddppo import sharding
 from jaxddppo.config.files import check_resume
 from jaxddppo.config.options import ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.distributed import multiprocess
+from jaxddppo.distributed import global_arrays, multiprocess
 from jaxddppo.outputs.run_dir import shared_run_dir, write_config
-from jaxddppo.outputs.writers import (
-    PBT_FILE,
-    MetricsSink,
-    MetricsWriter,
-    Progress,
-    open_metrics_sink,
-    truncate_metrics,
-)
+from jaxddppo.outputs.writers import MetricsSink, MetricsWriter, PBT_FILE, Progress, open_metrics_sink, truncate_metrics
 from jaxddppo.ppo import TrainState
 from jaxddppo.training import pbt
 from jaxddppo.training.checkpoint import (
-    PREEMPTED_EXIT_CODE,
-    Checkpointer,
     CheckpointError,
+    Checkpointer,
+    PREEMPTED_EXIT_CODE,
     RunCounters,
     SaveSchedule,
     StopSignals,
@@ -118,7 +111,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     for size in sizes:
         chunk_start = time.perf_counter()
         state, metrics, params_finite = programs.learn(state, programs.inputs, update_count(mesh, size))
-        metrics, params_finite, exploits = sharding.member_values(  # blocks
+        metrics, params_finite, exploits = global_arrays.member_values(  # blocks
             (metrics, params_finite, pbt_record(state)), mesh)
         per_member = [jax.tree.map(lambda column: column[member, :size], metrics) for member in range(num_members)]
         chunk_seconds = time.perf_counter() - chunk_start
@@ -184,7 +177,7 @@ def summarise(experiment: Experiment, trained: TrainResult) -> dict:
         "eval_return_std": float(eval_returns.std()),
         "eval_length_mean": float(np.asarray(evaluation.lengths, np.float64).mean()),
         "eval_episodes": config.eval.num_episodes,
-        "params_digest": sharding.params_digests(trained.state.params, experiment.mesh)[0],
+        "params_digest": global_arrays.params_digests(trained.state.params, experiment.mesh)[0],
     }
 
 
@@ -250,7 +243,7 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
                         config.run.progress and is_writer)
     if experiment.is_sweep:
         settings = len({member.setting for member in experiment.members})
-        rows = experiment.mesh.shape[shards.MEMBER_AXIS]
+        rows = experiment.mesh.shape[sharding.MEMBER_AXIS]
         per_member = f" per member, {members} member(s) ({settings} setting(s)) on {rows} row(s) of such devices"
     progress.message(
         f"jaxddppo{process_label()}: {config.env.id}, {topology.num_envs} envs in {topology.num_shards} shard(s) on "
@@ -331,7 +324,7 @@ def open_pbt_log(experiment: Experiment, run_dir: str, state: TrainState, update
     appends to the rows `restore_run` kept. A collective in a multi-process run."""
     if experiment.pbt is None:
         return None
-    record = sharding.member_values(pbt_record(state), experiment.mesh) if update == 0 else None
+    record = global_arrays.member_values(pbt_record(state), experiment.mesh) if update == 0 else None
     if jax.process_index() != 0:
         return None
     path = os.path.join(run_dir, PBT_FILE)

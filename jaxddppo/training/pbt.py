@@ -5,7 +5,7 @@ perturb or resample the hyperparameters they take with it (`decide`).
 Every device computes the same decisions: from every member's fitness and hyperparameters,
 gathered over the mesh in member order, and from a key folded from the population's PBT
 key with the update index. A loser's state moves to it from its winner's device one
-member at a time (`shards.copy_members`), bit for bit; a member keeps its own environments
+member at a time (`sharding.copy_members`), bit for bit; a member keeps its own environments
 and random streams. Static choices are `PBTSettings`; the traced state every shard carries
 is `PBTState`.
 """
@@ -21,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxddppo import shards
-from jaxddppo.config.options import TRACED_BOUNDS, PBTConfig
-from jaxddppo.loss import PPOHyperparams
-from jaxddppo.ppo import TrainState
+from jaxddppo import sharding
+from jaxddppo.config.options import PBTConfig, TRACED_BOUNDS
+from jaxddppo.ppo import PPOHyperparams, TrainState
 
 
 @dataclass(frozen=True)
@@ -179,13 +178,13 @@ def exploit(settings: PBTSettings, carried: Any, state: PBTState, fitness: jax.A
     hyperparameters decided, the record of the exploit in `state`."""
     members_per_device = state.copied_from.shape[0]
     key = jax.random.fold_in(state.key[0], update_index)
-    decision = decide(settings, shards.all_members(fitness), shards.all_members(state.hyperparams), key)
-    carried = shards.copy_members(carried, decision.source[decision.losers], decision.losers)
-    members = shards.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), members_per_device)
-    source = shards.local_members(decision.source, members_per_device)
+    decision = decide(settings, sharding.all_members(fitness), sharding.all_members(state.hyperparams), key)
+    carried = sharding.copy_members(carried, decision.source[decision.losers], decision.losers)
+    members = sharding.local_members(jnp.arange(settings.num_members, dtype=jnp.int32), members_per_device)
+    source = sharding.local_members(decision.source, members_per_device)
     zero = jnp.zeros((members_per_device,), jnp.float32)
     state = state.replace(
-        hyperparams=shards.local_members(decision.hyperparams, members_per_device),
+        hyperparams=sharding.local_members(decision.hyperparams, members_per_device),
         return_sum=zero,
         episodes=zero,
         copied_from=jnp.where(source != members, source, -1),
