@@ -17,7 +17,6 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -285,21 +284,18 @@ class Checkpointer:
 
     def abandon(self) -> list[str]:
         """After a failed write: wait for the saves in flight and close, swallowing their errors
-        (the caller reports the first one), then remove partial steps (process 0). Returns the
-        names of the partial steps removed."""
+        (the caller reports the first one). Returns the names of the partial steps left (process 0).
+
+        They are left to the next start's `cleanup_tmp_directories`: orbax's wait ends at a save's
+        first failed write while the others go on, and tensorstore's among them recreate the
+        directories they write into, so a step removed now could come back."""
         for finish in (self.wait, self.close):
             try:
                 finish()
             except Exception:  # the same storage error again, or one it caused
                 pass
         partial = sorted(glob.glob(os.path.join(self.directory, _TEMPORARY))) if jax.process_index() == 0 else []
-        for path in partial:
-            for _ in range(10):  # orbax's writer threads may still be finishing their failed writes
-                shutil.rmtree(path, ignore_errors=True)
-                if not os.path.exists(path):
-                    break
-                time.sleep(0.1)
-        return [os.path.basename(path) for path in partial if not os.path.exists(path)]
+        return [os.path.basename(path) for path in partial]
 
 
 class SaveSchedule:

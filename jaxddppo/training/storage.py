@@ -4,8 +4,9 @@ results at the end (summary.json, sweep.csv, the plots).
 
 They end the run with one line that names the run directory, the error and the newest
 intact checkpoint with the command to resume, and exit code `STORAGE_EXIT_CODE`, instead
-of pages of orbax and asyncio tracebacks. A partial checkpoint is removed; nothing
-complete is touched, so a resume once the fault is fixed ends as the uninterrupted run.
+of pages of orbax and asyncio tracebacks. A partial checkpoint is left for the resume to
+remove; nothing complete is touched, so a resume once the fault is fixed ends as the
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -103,10 +104,11 @@ def _without_thread_faults(previous: Callable[[Any], None]) -> Callable[[Any], N
 def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_state: Callable[[], Any],
                             resume_command: str) -> Iterator[None]:
     """Turn a storage fault raised in the block into a one-line StorageError, after waiting
-    for the saves in flight and removing a partial checkpoint. Meanwhile the fault's echoes
-    are quiet: orbax's logs of it, the closed event loops of its failed writes, writer
-    threads dying of it; after a fault, asyncio's reports of orbax's failed write tasks,
-    which come when the tasks are collected (at exit, say), stay quiet for good. The newest
+    for the saves in flight; it names a partial checkpoint left for the resume to remove
+    (`Checkpointer.abandon`). Meanwhile the fault's echoes are quiet: orbax's logs of it, the
+    closed event loops of its failed writes, writer threads dying of it. After a fault they
+    stay quiet for good: the failed save's other writes go on after the report (until exit),
+    and asyncio reports orbax's failed write tasks when they are collected. The newest
     intact checkpoint is verified by reading it back in a single-process run (in a
     multi-process run the other processes may be gone: the newest complete one is named,
     and a resume verifies it)."""
@@ -124,17 +126,17 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
         if fault is None:
             raise
         faulted = True
-        removed = checkpointer.abandon()
+        partial = checkpointer.abandon()
         line = _fault_line(run_dir, *fault)
-        if removed:
-            line += f"; removed the partial checkpoint {', '.join(removed)}"
+        if partial:
+            line += f"; a resume removes the partial checkpoint {', '.join(partial)}"
         line += f"; {_newest(checkpointer, abstract_state)}; once fixed, continue with: {resume_command} {run_dir}"
         raise StorageError(line) from None
     finally:
         if not faulted:
             for logger in loggers:
                 logger.removeFilter(quiet)
-        sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
+            sys.unraisablehook, threading.excepthook = unraisable_hook, thread_hook
 
 
 @contextlib.contextmanager
