@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxddppo.config.options import PPOConfig, TRACED_BOUNDS
+from jaxddppo.config.options import TRACED_BOUNDS, PPOConfig
 from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
 from jaxddppo.networks import ActorCritic, unroll

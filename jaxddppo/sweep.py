@@ -27,7 +27,7 @@ import numpy as np
 from jaxddppo import sharding
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
 from jaxddppo.config.files import as_config, load_config, load_resume_config
-from jaxddppo.config.options import Config, ConfigError, RESUMABLE_KEYS, TRACED_KEYS
+from jaxddppo.config.options import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
 from jaxddppo.config.reference import help_text
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess

@@ -30,7 +30,7 @@ from jaxddppo.outputs.writers import truncate_metrics
 from jaxddppo.rollout import normalize
 from jaxddppo.train import run
 from jaxddppo.training import checkpoint
-from jaxddppo.training.checkpoint import Checkpointer, PREEMPTED_EXIT_CODE, SaveSchedule
+from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.training.chunk_metrics import NonFiniteError
 from jaxddppo.training.experiment import Experiment, all_finite, build, compile_programs, update_count
 from jaxddppo.training.loop import chunk_plan

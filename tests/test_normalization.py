@@ -23,7 +23,6 @@ from jaxddppo.config.options import NetworkConfig
 from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.ppo import scale_rollout_rewards
 from jaxddppo.rollout import (
     OBS_CLIP,
     RolloutState,
@@ -33,6 +32,7 @@ from jaxddppo.rollout import (
     init_moments,
     merge_moments,
     policy_step,
+    scale_rollout_rewards,
     update_moments,
 )
 from jaxddppo.training.eval_episodes import evaluate_policy

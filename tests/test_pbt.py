@@ -29,7 +29,7 @@ from conftest import PNG_SIGNATURE, host_leaves, subprocess_env
 import jaxddppo
 from jaxddppo import sharding
 from jaxddppo.config.files import from_dict, with_overrides
-from jaxddppo.config.options import ConfigError, PBTConfig, PPOConfig, TRACED_BOUNDS, TRACED_KEYS
+from jaxddppo.config.options import TRACED_BOUNDS, TRACED_KEYS, ConfigError, PBTConfig, PPOConfig
 from jaxddppo.distributed import global_arrays
 from jaxddppo.ppo import PPOHyperparams
 from jaxddppo.sweep import resume_sweep

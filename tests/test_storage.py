@@ -27,7 +27,7 @@ from jaxddppo.outputs import writers
 from jaxddppo.sweep import resume_sweep, run_sweep
 from jaxddppo.train import run
 from jaxddppo.training import checkpoint
-from jaxddppo.training.checkpoint import CheckpointDamaged, CheckpointError, Checkpointer
+from jaxddppo.training.checkpoint import CheckpointDamaged, Checkpointer, CheckpointError
 from jaxddppo.training.experiment import build
 from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, storage_fault
 

@@ -16,8 +16,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxddppo.sharding import (PER_MEMBER, PER_SHARD, DeviceShards, as_words, is_population, layout_spec,
-                               leaf_placements, shard_parallel)
+from jaxddppo.sharding import (
+    PER_MEMBER,
+    PER_SHARD,
+    DeviceShards,
+    as_words,
+    is_population,
+    layout_spec,
+    leaf_placements,
+    shard_parallel,
+)
 
 
 def put_members(tree: Any, mesh: Mesh, layouts: Any = PER_SHARD) -> Any:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxddppo.config.options import ConfigError, START_STATES
+from jaxddppo.config.options import START_STATES, ConfigError
 
 
 @dataclass(frozen=True)

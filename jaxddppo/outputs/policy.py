@@ -105,5 +105,5 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     finally:
         checkpointer.close()
     return Policy(config=config, env=experiment.env, network=experiment.network,
-                  params=global_arrays.local_copy(state.params), obs_moments=global_arrays.local_copy(state.obs_moments),
-                  counters=counters)
+                  params=global_arrays.local_copy(state.params),
+                  obs_moments=global_arrays.local_copy(state.obs_moments), counters=counters)

@@ -2,13 +2,13 @@
 
 A checkpoint is `RUN_DIR/checkpoints/<update>/` holding the global `TrainState`
 (every member's parameters, optimizer state and statistics, once; every shard's
-environment states and keys) and a
-small JSON record of the host-side counters, and a digest of both (`global_arrays.state_digest`
-of the state, a hash of the counters) taken from the arrays in memory. Orbax writes a step
-to a temporary directory and renames it when complete, so a save killed part-way never
-looks complete, and the digest is committed with the data it describes. A restore checks
-the digest; `restore_latest` skips (and names) any complete-looking step that cannot be
-read or fails the check, falling back to the one before it.
+environment states and keys) and a small JSON record of the host-side counters, and a
+digest of both (`global_arrays.state_digest` of the state, a hash of the counters) taken
+from the arrays in memory. Orbax writes a step to a temporary directory and renames it
+when complete, so a save killed part-way never looks complete, and the digest is committed
+with the data it describes. A restore checks the digest; `restore_latest` skips (and names)
+any complete-looking step that cannot be read or fails the check, falling back to the one
+before it.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def _with_unsaved_leaves(restored: Any, abstract: Any) -> Any:
     def empty(leaf: Any) -> jax.Array:
         if getattr(leaf, "sharding", None) is None:
             return jax.numpy.zeros(leaf.shape, leaf.dtype)
-        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: np.zeros(leaf.shape, leaf.dtype)[index])
+        zeros = np.zeros(leaf.shape, leaf.dtype)
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: zeros[index])
 
     def leaf_of(path: tuple, leaf: Any) -> Any:
         return empty(leaf) if _is_empty(leaf) else restored_leaves[_path_names(path)]

@@ -228,8 +228,9 @@ class Experiment:
 
     def final_evaluations(self, state: TrainState, program: Optional[jax.stages.Compiled] = None
                           ) -> list[EvalResult]:
-        """Every member's final deterministic evaluation, on the host, one member after another with one compiled program (`jaxddppo.evaluate` reproduces it):
-        `program` (`Programs.final_evaluate`), else compiled now."""
+        """Every member's final deterministic evaluation, on the host, one member after another
+        with one compiled program (`jaxddppo.evaluate` reproduces it): `program`
+        (`Programs.final_evaluate`), else compiled now."""
         params, obs_moments = global_arrays.member_values((state.params, state.obs_moments), self.mesh)
         evaluate = program if program is not None else self.lower_final_evaluation(state).compile()
         return [
@@ -389,8 +390,8 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         ), tuned())
     if final_evaluation:
         lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
-    lowerings["checksum"] = (lambda: global_arrays.checksum_program(experiment.mesh).lower(*global_arrays.by_layout(state)),
-                             tuned())
+    checksum = global_arrays.checksum_program(experiment.mesh)
+    lowerings["checksum"] = (lambda: checksum.lower(*global_arrays.by_layout(state)), tuned())
     lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
     with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
         futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in lowerings.items()}

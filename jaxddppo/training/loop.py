@@ -20,13 +20,20 @@ from jaxddppo.config.options import ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess
 from jaxddppo.outputs.run_dir import shared_run_dir, write_config
-from jaxddppo.outputs.writers import MetricsSink, MetricsWriter, PBT_FILE, Progress, open_metrics_sink, truncate_metrics
+from jaxddppo.outputs.writers import (
+    PBT_FILE,
+    MetricsSink,
+    MetricsWriter,
+    Progress,
+    open_metrics_sink,
+    truncate_metrics,
+)
 from jaxddppo.ppo import TrainState
 from jaxddppo.training import pbt
 from jaxddppo.training.checkpoint import (
-    CheckpointError,
-    Checkpointer,
     PREEMPTED_EXIT_CODE,
+    Checkpointer,
+    CheckpointError,
     RunCounters,
     SaveSchedule,
     StopSignals,

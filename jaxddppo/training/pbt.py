@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from jaxddppo import sharding
-from jaxddppo.config.options import PBTConfig, TRACED_BOUNDS
+from jaxddppo.config.options import TRACED_BOUNDS, PBTConfig
 from jaxddppo.ppo import PPOHyperparams, TrainState
 
 
