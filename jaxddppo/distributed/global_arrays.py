@@ -160,11 +160,21 @@ def state_checksums(tree: Any, mesh: Mesh, checksum: Optional[Callable] = None) 
     return np.concatenate([_as_uint64(gathered[0]), _as_uint64(gathered[1])[..., None]], axis=-1)
 
 
+def _device_checksum(member_tree: Any) -> jax.Array:
+    return _bit_checksum(member_tree)[None]
+
+
+@functools.lru_cache(maxsize=None)
+def _replica_checksum_program(mesh: Mesh) -> Callable:
+    """`replica_checksums`' program on `mesh`: one function, so that JAX compiles it once per
+    tree shape, not at every check."""
+    return shard_parallel(_device_checksum, mesh, in_layouts=(PER_MEMBER,))
+
+
 def replica_checksums(tree: Any, mesh: Mesh) -> np.ndarray:
     """The `_bit_checksum` of every device's copy of a per-member `tree`: [..., devices per
     member] uint64 with the mesh's member axis, the same on every process (a collective)."""
-    per_device = shard_parallel(lambda member_tree: _bit_checksum(member_tree)[None], mesh, in_layouts=(PER_MEMBER,))
-    return _as_uint64(multihost_utils.process_allgather(per_device(tree), tiled=True))
+    return _as_uint64(multihost_utils.process_allgather(_replica_checksum_program(mesh)(tree), tiled=True))
 
 
 def state_digest(tree: Any, checksum: Optional[Callable] = None) -> str:
