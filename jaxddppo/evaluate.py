@@ -95,11 +95,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.verify:
             return verify(args.run_dir)
         policy = load_policy(args.run_dir, args.checkpoint, report=lambda message: print(message, file=sys.stderr))
+        use_compilation_cache("auto")
+        stats = statistics(evaluate(policy, args.episodes, args.seed))  # builds the environment, which may refuse
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    use_compilation_cache("auto")
-    stats = statistics(evaluate(policy, args.episodes, args.seed))
     episodes = policy.config.eval.num_episodes if args.episodes is None else args.episodes
     if args.json:
         print(json.dumps({"run_dir": args.run_dir, "update": policy.counters.update,

@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,9 @@ from conftest import host_leaves, small_config, subprocess_env
 from jaxddppo.config.files import load_config, load_resume_config, with_overrides
 from jaxddppo.config.options import ConfigError
 from jaxddppo.distributed import global_arrays
+from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.evaluate import evaluate, statistics
+from jaxddppo.outputs import policy as policy_module
 from jaxddppo.outputs.policy import load_policy
 from jaxddppo.outputs.writers import truncate_metrics
 from jaxddppo.rollout import normalize
@@ -39,18 +42,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
 # with both running statistics, so that they too must survive a resume exactly.
-# The fields of the state that checkpoint format 4 holds: a field added to every run's state
+# The fields of the state that checkpoint format 5 holds: a field added to every run's state
 # (as PBT's first was) would leave the checkpoints written before it unreadable.
-FORMAT_4_STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
+STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
 
 
 def test_a_checkpoint_holds_the_parameters_once_and_each_shard_s_environments(tmp_path):
-    """Format 4: on 4 shards, the parameters, optimizer state and statistics are saved once
+    """On 4 shards, the parameters, optimizer state and statistics are saved once
     (the shapes the network gives them), the environments and keys once per shard."""
     run_dir = tmp_path / "run"
     run(small_config(run_dir, train={"total_env_steps": 4 * 128}), devices=jax.devices()[:4])
     metadata = json.loads(next((run_dir / "checkpoints").glob("*/state/_METADATA")).read_text())
-    assert {ast.literal_eval(path)[0] for path in metadata["tree_metadata"]} == FORMAT_4_STATE_FIELDS
+    assert {ast.literal_eval(path)[0] for path in metadata["tree_metadata"]} == STATE_FIELDS
     saved = ocp.StandardCheckpointer().metadata(str(next((run_dir / "checkpoints").glob("*/state"))))
     saved = getattr(saved, "item_metadata", saved)
     experiment = build(load_resume_config(str(run_dir)), devices=jax.devices()[:1])
@@ -259,10 +262,10 @@ def test_a_resume_that_finds_no_usable_checkpoint_renames_none_of_them(tmp_path)
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
-@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 3])
+@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 4])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
-    """Checkpoints of jaxddppo before format 4 (format 3: every shard's copy of the parameters;
-    none recorded: before format 2) are refused by --resume with one line and exit 2, and
+    """Checkpoints of jaxddppo before format 5 (format 4: a digest over the leaves in the order
+    of the state's fields; none recorded: before format 2) are refused by --resume with one line and exit 2, and
     left as they were (not set aside as unreadable)."""
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
@@ -276,8 +279,8 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format {1 if written_format == 'absent' else 3}, "
-        "this jaxddppo reads format 4 only (the version that wrote it can still read it); start a new run")
+        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format {1 if written_format == 'absent' else 4}, "
+        "this jaxddppo reads format 5 only (the version that wrote it can still read it); start a new run")
     assert "Traceback" not in result.stderr
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
@@ -498,6 +501,55 @@ def test_load_policy_acts_like_the_trained_params(one_go):
     assert sampled.shape == (16, 1) and set(np.unique(sampled)) <= {0, 1}
     stats = statistics(evaluate(policy))
     assert stats["return_mean"] == one_go.summary["eval_return_mean"]
+
+
+def test_load_policy_builds_no_environment(one_go, monkeypatch):
+    """The network comes from config.yaml and env_spec.json; the checkpoint is restored as
+    saved and checked against its digest; evaluating episodes builds the environment."""
+    recorded = json.loads((Path(one_go.run_dir) / "env_spec.json").read_text())
+    assert recorded == {"env_id": "CartPole-v1", "observation": "float32[4]", "discrete": True, "num_actions": 2,
+                        "action_low": [], "action_high": [], "max_episode_steps": 500, "action_mask_key": None}
+    built = []
+    monkeypatch.setattr(BatchedEnv, "__init__", lambda self, *args: built.append(args) or None)
+    policy = load_policy(one_go.run_dir)
+    assert not built and policy.counters.update == 12
+    trained = global_arrays.local_copy((one_go.state.params, one_go.state.obs_moments))
+    assert jax.tree.structure((policy.params, policy.obs_moments)) == jax.tree.structure(trained)
+    for got, want in zip(jax.tree.leaves((policy.params, policy.obs_moments)), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(AttributeError):
+        evaluate(policy)  # evaluating episodes builds the environment (here one left uninitialised)
+    assert built
+
+
+def test_load_policy_without_env_spec_json_builds_the_environment(one_go, tmp_path, monkeypatch):
+    """A run whose observation env_spec.json cannot hold (a user's dataclass) writes none."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_go.run_dir, run_dir)
+    (run_dir / "env_spec.json").unlink()
+    recorded, built = load_policy(one_go.run_dir), []
+
+    def counted_make_env(*args, **kwargs):
+        built.append(make_env(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(policy_module, "make_env", counted_make_env)
+    policy = load_policy(str(run_dir))
+    assert len(built) == 1 and policy.spec == recorded.spec
+    for got, want in zip(jax.tree.leaves(policy.params), jax.tree.leaves(recorded.params), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_load_policy_refuses_a_checkpoint_that_does_not_fit_the_network(one_go, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_go.run_dir, run_dir)
+    (run_dir / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace(
+        "hidden_sizes:\n  - 64\n  - 64", "hidden_sizes:\n  - 64\n  - 32"))
+    with pytest.raises(ConfigError, match=(
+            rf"^checkpoint {run_dir / 'checkpoints' / '12'} does not fit the network that config.yaml and "
+            r"env_spec.json describe: params/params/Dense_0/kernel is float32\[64, 1\] there, float32\[32, 1\] in the "
+            r"network$")):
+        load_policy(str(run_dir))
 
 
 @pytest.mark.parametrize("args,message", [

@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
+import math
 import re
 
 import jax
@@ -35,6 +38,9 @@ from jaxddppo.rollout import (
     normalize,
     update_moments,
 )
+from jaxddppo.outputs.env_spec import ENV_SPEC_FILE, env_spec_record, read_env_spec
+from jaxddppo.outputs.policy import load_policy
+from jaxddppo.outputs.run_dir import write_config, write_env_spec
 from jaxddppo.training.checkpoint import Checkpointer, RunCounters
 from jaxddppo.training.experiment import build, update_count
 
@@ -249,6 +255,71 @@ def test_a_dict_observation_state_checkpoints_and_evaluates(trained_on_one_and_t
     evaluation = experiment.final_evaluations(restored)[0]
     assert np.isfinite(np.asarray(evaluation.returns)).all()
     assert np.all(np.asarray(evaluation.lengths) >= 1)
+
+
+def test_a_dict_observation_policy_loads_from_config_and_env_spec_alone(trained_on_one_and_two_devices, tmp_path):
+    """config.yaml names CartPole-v1 (`walk_experiment` swaps in MaskedWalk), so only
+    env_spec.json can give the network its observations: no environment is built."""
+    experiment, _, state = trained_on_one_and_two_devices[2]
+    checkpointer = Checkpointer(str(tmp_path), asynchronous=False)
+    try:
+        checkpointer.save(state, RunCounters(update=3, env_steps=192, train_seconds=1.0,
+                                             final_episode_returns=(None,)))
+    finally:
+        checkpointer.close()
+    write_config(str(tmp_path), experiment.config)
+    write_env_spec(str(tmp_path), env_spec_record(experiment.env.spec))
+    policy = load_policy(str(tmp_path))
+    assert policy.spec == MaskedWalk().spec and policy.counters.update == 3
+    trained = global_arrays.local_copy((state.params, state.obs_moments))
+    assert jax.tree.structure((policy.params, policy.obs_moments)) == jax.tree.structure(trained)
+    for got, want in zip(jax.tree.leaves((policy.params, policy.obs_moments)), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(got, want)
+    obs, _ = experiment.env.reset(jax.random.key(5), 16)
+    dist, _ = experiment.network.apply(trained[0], normalize(trained[1], obs))
+    np.testing.assert_array_equal(np.asarray(policy(obs)), np.asarray(dist.mode()))
+
+
+def test_env_spec_json_records_pytree_observations_and_continuous_actions_exactly(tmp_path):
+    reach = EnvSpec(
+        env_id="reach",
+        observation=({"joints": jax.ShapeDtypeStruct((7,), jnp.float32),
+                      "camera": jax.ShapeDtypeStruct((8, 8, 3), jnp.bfloat16)}, jax.ShapeDtypeStruct((), jnp.float32)),
+        discrete=False, num_actions=3, action_low=(-1.0, -0.1, -math.inf), action_high=(1.0, 1e-7, 2.5),
+    )
+    for spec in (MaskedWalk().spec, reach):
+        write_env_spec(str(tmp_path), env_spec_record(spec))
+        assert read_env_spec(str(tmp_path)) == spec
+    written = json.loads((tmp_path / ENV_SPEC_FILE).read_text())
+    assert written["observation"] == [{"joints": "float32[7]", "camera": "bfloat16[8, 8, 3]"}, "float32[]"]
+    assert (written["discrete"], written["num_actions"], written["action_high"]) == (False, 3, [1.0, 1e-7, 2.5])
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("{", "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+    ('{"observation": "float32[4]"}', "KeyError: 'action_low'"),
+    ('{"observation": "float32(4)", "action_low": [], "action_high": []}',
+     "ValueError: observation leaf 'float32(4)' is not dtype[shape]"),
+])
+def test_a_malformed_env_spec_json_is_one_line(tmp_path, text, problem):
+    (tmp_path / ENV_SPEC_FILE).write_text(text)
+    with pytest.raises(ConfigError) as error:
+        read_env_spec(str(tmp_path))
+    assert str(error.value) == f"{tmp_path / ENV_SPEC_FILE} is malformed: {problem}"
+
+
+Position = collections.namedtuple("Position", ["x", "y"])
+
+
+@pytest.mark.parametrize("observation", [
+    [jax.ShapeDtypeStruct((3,), jnp.float32)],
+    Position(*[jax.ShapeDtypeStruct((3,), jnp.float32)] * 2),
+    {"nested": {1: jax.ShapeDtypeStruct((3,), jnp.float32)}},
+])
+def test_an_observation_env_spec_json_cannot_hold_is_not_recorded(observation):
+    """Such a run writes no env_spec.json, and loading its policy builds the environment."""
+    assert env_spec_record(EnvSpec(env_id="odd", observation=observation, discrete=True, num_actions=2)) is None
 
 
 @pytest.mark.slow  # about 35 s; dict observations train in CI, recurrent policies in test_recurrent.py

@@ -209,11 +209,13 @@ def test_an_object_without_a_reference_is_recorded_and_must_be_passed_again(user
     recorded = (run_dir / "config.yaml").read_text()
     assert "id: <object>:Corridor" in recorded and "torso: <object>:test_an_object" in recorded
 
-    with pytest.raises(ConfigError, match=r"env.id='<object>:Corridor' .*pass the same object again as env="):
-        load_policy(str(run_dir))
     with pytest.raises(ConfigError, match=r"network.torso='<object>:.*NotebookTorso'.*pass the same object again"):
-        load_policy(str(run_dir), env=corridor)
+        load_policy(str(run_dir))
+    acting = load_policy(str(run_dir), torso=NotebookTorso)  # acting needs no environment; episodes do
+    with pytest.raises(ConfigError, match=r"env.id='<object>:Corridor' .*pass the same object again as env="):
+        acting.env
     policy = load_policy(str(run_dir), env=corridor, torso=NotebookTorso)
+    assert policy.env.spec == acting.spec
     assert np.all(np.asarray(policy.params["params"]["actor_torso"]["Dense_0"]["kernel"])
                   == np.asarray(result.state.params["params"]["actor_torso"]["Dense_0"]["kernel"]))
     assert (run_dir / "config.yaml").read_text() == recorded

@@ -109,16 +109,34 @@ def _mix(bits: jax.Array) -> jax.Array:
     return bits ^ (bits >> 16)
 
 
+def path_names(path: tuple) -> tuple[str, ...]:
+    """A leaf's path as names: a field or dict entry by its name, a sequence item by its
+    index. A saved tree's leaves keep these names whatever containers hold them back."""
+    return tuple(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key)))) for key in path)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """The leaves of `tree` keyed by their `path_names` joined with "/"."""
+    return {"/".join(path_names(path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _name_salt(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+
+
 def _bit_checksum(tree: Any) -> jax.Array:
     """Two wrapping sums ([2] uint32) over the raw bits of every element of every leaf, laid
-    end to end, each mixed with its position first: any changed element changes both sums,
-    and so does a moved one (barring collisions, about 2**-64). One pass over one vector:
-    tested leaf by leaf, the program took seconds to compile."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
+    end to end, each mixed first with its position in its leaf and its leaf's name: any
+    changed element changes both sums, and so does a moved one (barring collisions, about
+    2**-64), but the leaves' order does not, so a tree restored in other containers sums
+    the same. One pass over one vector: tested leaf by leaf, the program took seconds to
+    compile."""
+    words = {name: _leaf_bits(leaf).reshape(-1) for name, leaf in named_leaves(tree).items()}
+    if not words:
         return jnp.zeros(2, jnp.uint32)
-    bits = jnp.concatenate([_leaf_bits(leaf).reshape(-1) for leaf in leaves])
-    salt = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+    bits = jnp.concatenate(list(words.values()))
+    salt = jnp.concatenate([jnp.arange(leaf_words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+                            + jnp.uint32(_name_salt(name)) for name, leaf_words in words.items()])
     lanes = (_mix(bits ^ salt), _mix(_mix(bits + salt) ^ jnp.uint32(0x5BD1E995)))
     return jnp.stack([jnp.sum(lane, dtype=jnp.uint32) for lane in lanes])
 
@@ -129,13 +147,14 @@ def _as_uint64(lanes: np.ndarray) -> np.ndarray:
     return (lanes[..., 0] << np.uint64(32)) | lanes[..., 1]
 
 
-def by_layout(tree: Any) -> tuple[list[Any], list[Any]]:
-    """The leaves of a global `tree` (arrays, or shapes with shardings) on a training mesh:
-    (the per-shard ones, the per-member ones), each in tree order."""
-    leaves = jax.tree.leaves(tree)
-    is_per_shard = [leaf.sharding.spec == layout_spec(PER_SHARD, leaf.sharding.mesh) for leaf in leaves]
-    return ([leaf for leaf, shard in zip(leaves, is_per_shard) if shard],
-            [leaf for leaf, shard in zip(leaves, is_per_shard) if not shard])
+def by_layout(tree: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The leaves of a global `tree` (arrays, or shapes with shardings) on a training mesh,
+    by name (`named_leaves`): (the per-shard ones, the per-member ones)."""
+    leaves = named_leaves(tree)
+    is_per_shard = {name: leaf.sharding.spec == layout_spec(PER_SHARD, leaf.sharding.mesh)
+                    for name, leaf in leaves.items()}
+    return ({name: leaf for name, leaf in leaves.items() if is_per_shard[name]},
+            {name: leaf for name, leaf in leaves.items() if not is_per_shard[name]})
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,7 +162,8 @@ def checksum_program(mesh: Mesh) -> Callable:
     """The program of `state_checksums` on `mesh`, called with `by_layout(tree)`; to call
     or to compile ahead of time."""
 
-    def checksums(per_shard_leaves: list[jax.Array], per_member_leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def checksums(per_shard_leaves: dict[str, jax.Array], per_member_leaves: dict[str, jax.Array]
+                  ) -> tuple[jax.Array, jax.Array]:
         return DeviceShards.map_batched(_bit_checksum, per_shard_leaves), _bit_checksum(per_member_leaves)
 
     return shard_parallel(checksums, mesh, in_layouts=(PER_SHARD, PER_MEMBER), out_layouts=(PER_SHARD, PER_MEMBER))

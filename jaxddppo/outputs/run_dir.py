@@ -1,9 +1,10 @@
 """The run directory: claimed by one run only, its path agreed by every process, and its
-config.yaml.
+config.yaml and env_spec.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -14,6 +15,7 @@ import jax
 from jaxddppo.config.files import to_yaml
 from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.distributed import multiprocess
+from jaxddppo.outputs.env_spec import ENV_SPEC_FILE
 
 
 def claim_run_dir(path: Optional[str], name: str) -> str:
@@ -61,8 +63,18 @@ def shared_run_dir(config: Config, name: str) -> str:
     return multiprocess.broadcast_text(run_dir)
 
 
-def write_config(run_dir: str, config: Config) -> None:
-    path = os.path.join(run_dir, "config.yaml")
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file renamed over it: a reader never sees half of it."""
     with open(f"{path}.tmp", "w") as handle:
-        handle.write(to_yaml(replace(config, run=replace(config.run, dir=run_dir))))
+        handle.write(text)
     os.replace(f"{path}.tmp", path)
+
+
+def write_config(run_dir: str, config: Config) -> None:
+    recorded = replace(config, run=replace(config.run, dir=run_dir))
+    write_atomically(os.path.join(run_dir, "config.yaml"), to_yaml(recorded))
+
+
+def write_env_spec(run_dir: str, record: dict) -> None:
+    """Write env_spec.json, an `env_spec.env_spec_record`."""
+    write_atomically(os.path.join(run_dir, ENV_SPEC_FILE), json.dumps(record, indent=2) + "\n")

@@ -17,6 +17,7 @@ import glob
 import hashlib
 import json
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -31,10 +32,11 @@ from jax.experimental import multihost_utils
 from jaxddppo.distributed import global_arrays
 
 CHECKPOINT_SUBDIR = "checkpoints"
-# The layout of the saved state, recorded beside the counters; another is refused. 4: the
-# parameters, optimizer state and statistics are saved once per member, not once per shard
-# (formats 1 to 3, and checkpoints without a digest, come from earlier versions of 0.1.0).
-CHECKPOINT_FORMAT = 4
+# The layout of the saved state, recorded beside the counters; another is refused. 5: the
+# parameters, optimizer state and statistics are saved once per member, not once per shard,
+# and the digest does not depend on the order of the leaves (formats 1 to 4, and checkpoints
+# without a digest, come from earlier versions of 0.1.0).
+CHECKPOINT_FORMAT = 5
 _FORMAT_KEY = "checkpoint_format"
 _DIGEST_ITEM = "digest"
 _TEMPORARY = "*.orbax-checkpoint-tmp*"  # orbax's name for a step being written
@@ -94,14 +96,10 @@ def _without_empty_leaves(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
 
 
-def _path_names(path: tuple) -> tuple:
-    return tuple(str(getattr(key, "name", getattr(key, "key", getattr(key, "idx", key)))) for key in path)
-
-
 def _with_unsaved_leaves(restored: Any, abstract: Any) -> Any:
     """The tree `abstract` describes (shapes, dtypes, shardings) from the `restored` one: the
     zero-size arrays, which `_without_empty_leaves` left out, come back, holding no values."""
-    restored_leaves = {_path_names(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
+    restored_leaves = global_arrays.named_leaves(restored)
     abstract_leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
     def empty(leaf: Any) -> jax.Array:
@@ -111,7 +109,7 @@ def _with_unsaved_leaves(restored: Any, abstract: Any) -> Any:
         return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: zeros[index])
 
     def leaf_of(path: tuple, leaf: Any) -> Any:
-        return empty(leaf) if _is_empty(leaf) else restored_leaves[_path_names(path)]
+        return empty(leaf) if _is_empty(leaf) else restored_leaves["/".join(global_arrays.path_names(path))]
 
     return jax.tree.unflatten(treedef, [leaf_of(path, leaf) for path, leaf in abstract_leaves])
 
@@ -164,10 +162,18 @@ class Checkpointer:
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def saved_shapes(self, step: int) -> Any:
+        """The shapes and dtypes of checkpoint `step`'s state as orbax recorded them: nested
+        dicts and lists named as saved (`global_arrays.path_names`), zero-size leaves left out."""
+        metadata = ocp.StandardCheckpointHandler().metadata(pathlib.Path(self.path(step), "state"))
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), metadata.tree)
+
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, RunCounters]:
         """Checkpoint `step`, placed as `abstract_state` says (shapes, dtypes, shardings), checked
         against its digest: CheckpointDamaged if it differs. Every process verifies the same
-        digest of the global state, and reads only if all of them could."""
+        digest of the global state, and reads only if all of them could. `abstract_state` may
+        also be a function that makes it from `saved_shapes(step)`: a reader that builds no
+        environment restores the state as saved."""
         if step not in self.steps():
             raise CheckpointError(f"no checkpoint {step} in {self.directory} (there are: {self.steps()})")
         counters_only = ocp.args.Composite(counters=ocp.args.JsonRestore())
@@ -178,10 +184,12 @@ class Checkpointer:
                 f"checkpoint {self.path(step)} has format {written_format}, this jaxddppo reads format "
                 f"{CHECKPOINT_FORMAT} only (the version that wrote it can still read it); start a new run"
             )
-        items = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty_leaves(abstract_state)),
-                                   **{_DIGEST_ITEM: ocp.args.JsonRestore()})
         error = None
         try:
+            if callable(abstract_state):
+                abstract_state = abstract_state(self.saved_shapes(step))
+            items = ocp.args.Composite(state=ocp.args.StandardRestore(_without_empty_leaves(abstract_state)),
+                                       **{_DIGEST_ITEM: ocp.args.JsonRestore()})
             restored = self._manager.restore(step, args=items)
         except Exception as caught:  # orbax and tensorstore raise many types for damaged files
             error = caught

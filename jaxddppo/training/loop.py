@@ -19,7 +19,8 @@ from jaxddppo.config.files import check_resume
 from jaxddppo.config.options import ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess
-from jaxddppo.outputs.run_dir import shared_run_dir, write_config
+from jaxddppo.outputs.env_spec import env_spec_record
+from jaxddppo.outputs.run_dir import shared_run_dir, write_config, write_env_spec
 from jaxddppo.outputs.writers import (
     PBT_FILE,
     MetricsSink,
@@ -236,8 +237,8 @@ class Session:
 
 def start_session(experiment: Experiment, name: str, resume: bool, stop_after_updates: Optional[int],
                   warnings: Sequence[str]) -> Session:
-    """Claim a run directory (default `runs/<name>-<timestamp>`) and write config.yaml into
-    it, or take the resumed run's (refusing a config that changes its algorithm); open the
+    """Claim a run directory (default `runs/<name>-<timestamp>`) and write config.yaml and
+    env_spec.json into it, or take the resumed run's (refusing a config that changes its algorithm); open the
     progress output over every member's steps and say what trains where, with `warnings`."""
     config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
     if resume:
@@ -245,6 +246,9 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
     run_dir = config.run.dir if resume else shared_run_dir(config, name)
     if is_writer and not resume:
         write_config(run_dir, config)
+        env_record = env_spec_record(experiment.env.spec)
+        if env_record is not None:
+            write_env_spec(run_dir, env_record)
     members, per_member = len(experiment.members), ""
     progress = Progress(topology.num_updates * topology.env_steps_per_update * members,
                         config.run.progress and is_writer)
