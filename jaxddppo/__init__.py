@@ -4,7 +4,8 @@ Python API: `jaxddppo.run(config) -> TrainResult` trains one run and
 `jaxddppo.run_sweep(config, grid, seeds) -> SweepResult` a population of
 seeds x hyperparameters, where `config` is a `Config`, a nested dict or a YAML
 path; build configs with `load_config`, `from_dict` and `with_overrides`;
-`jaxddppo.load_policy(run_dir)` loads a trained policy from a run's checkpoint. Each
+`jaxddppo.load_policy(run_dir)` loads a trained policy from a run's checkpoint and
+`jaxddppo.export_policy(run_dir, output)` writes it as a `jax.export` program. Each
 takes `env=` and `torso=`: your own environment and torso as objects, in place of
 `env.id=module:attribute` and `network.torso=module:attribute`.
 The commands are `python -m jaxddppo.train` and `python -m jaxddppo.sweep`.

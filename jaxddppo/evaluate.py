@@ -20,14 +20,14 @@ import jax
 import numpy as np
 
 from jaxddppo.cli import OneLineParser
-from jaxddppo.config.files import load_resume_config
+from jaxddppo.config.files import SWEEP_SPEC_FILE, load_resume_config
 from jaxddppo.config.options import ConfigError
 from jaxddppo.outputs.policy import Policy, load_policy
 from jaxddppo.training.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.training.compile_cache import use_compilation_cache
 from jaxddppo.training.eval_episodes import EvalResult, evaluate_policy_program
 from jaxddppo.training.experiment import build, final_eval_key
-from jaxddppo.training.population import SPEC_FILE, build_population, read_spec
+from jaxddppo.training.population import build_population, read_spec
 
 
 def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[int] = None) -> EvalResult:
@@ -56,7 +56,7 @@ def verify(run_dir: str) -> int:
     """Print every checkpoint of `run_dir` (a run's or a sweep's) with its verdict; set-aside
     ones are listed too. 0 when the newest is intact, 1 otherwise."""
     config, devices = load_resume_config(run_dir), jax.local_devices()[:1]
-    if os.path.exists(os.path.join(run_dir, SPEC_FILE)):
+    if os.path.exists(os.path.join(run_dir, SWEEP_SPEC_FILE)):
         spec = read_spec(run_dir)
         experiment = build_population(config, spec.grid, spec.seeds, None, devices)
     else:

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxddppo import sharding
 from jaxddppo.cli import OneLineParser, add_start_arguments, parse_start_arguments
-from jaxddppo.config.files import as_config, load_config, load_resume_config
+from jaxddppo.config.files import SWEEP_SPEC_FILE, as_config, load_config, load_resume_config
 from jaxddppo.config.options import RESUMABLE_KEYS, TRACED_KEYS, Config, ConfigError
 from jaxddppo.config.reference import help_text
 from jaxddppo.cpu import tuning as cpu_tuning
@@ -41,7 +41,6 @@ from jaxddppo.training.experiment import Experiment
 from jaxddppo.training.loop import TrainResult, command_exit_code, process_label, start_session, train_experiment
 from jaxddppo.training.population import (
     SEED_KEY,
-    SPEC_FILE,
     SweepSpec,
     build_population,
     expand_members,
@@ -265,7 +264,7 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
     session = start_session(population, name, resume, stop_after_updates, backend_warnings)
     run_dir, progress, is_writer = session.run_dir, session.progress, jax.process_index() == 0
     if is_writer and not resume:
-        write_json(os.path.join(run_dir, SPEC_FILE), asdict(spec))
+        write_json(os.path.join(run_dir, SWEEP_SPEC_FILE), asdict(spec))
     try:
         result = _results(population, train_experiment(population, session))
         if is_writer:

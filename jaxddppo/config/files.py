@@ -17,6 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 from jaxddppo.config.options import RESUMABLE_KEYS, Config, ConfigError, is_resumable, section_names, validate
 from jaxddppo.config.reference import options
 
+SWEEP_SPEC_FILE = "sweep.json"  # in a sweep's run directory: the grid, seeds and member devices, for a resume
+
 # The CPU options that `run.cpu_tuning` replaced: a run directory written with them still resumes.
 REPLACED_CPU_OPTIONS = ("network.dense_gradient", "ppo.minibatch_shuffle", "ppo.flat_optimizer",
                         "run.fast_cpu_compile")

@@ -14,6 +14,7 @@ The network is rebuilt from config.yaml and env_spec.json: loading builds no env
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -21,7 +22,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.config.files import load_resume_config
+from jaxddppo.config.files import SWEEP_SPEC_FILE, load_resume_config
 from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays
@@ -134,6 +135,8 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     on a torso object without an importable reference needs the same `torso` again; on an
     environment object, the same `env` for `policy.env` (evaluating episodes).
     """
+    if os.path.exists(os.path.join(run_dir, SWEEP_SPEC_FILE)):
+        raise ConfigError(f"{run_dir} is a sweep's run directory ({SWEEP_SPEC_FILE}), not a single run's")
     config, objects = with_objects(load_resume_config(run_dir), env, torso)
     config = cpu_tuning.resolve(config, jax.local_devices()[0].platform)
     spec = read_env_spec(run_dir)

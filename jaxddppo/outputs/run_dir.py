@@ -16,6 +16,7 @@ from jaxddppo.config.files import to_yaml
 from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.distributed import multiprocess
 from jaxddppo.outputs.env_spec import ENV_SPEC_FILE
+from jaxddppo.outputs.writers import write_atomically
 
 
 def claim_run_dir(path: Optional[str], name: str) -> str:
@@ -61,13 +62,6 @@ def shared_run_dir(config: Config, name: str) -> str:
         multiprocess.broadcast_text("")
         raise
     return multiprocess.broadcast_text(run_dir)
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file renamed over it: a reader never sees half of it."""
-    with open(f"{path}.tmp", "w") as handle:
-        handle.write(text)
-    os.replace(f"{path}.tmp", path)
 
 
 def write_config(run_dir: str, config: Config) -> None:

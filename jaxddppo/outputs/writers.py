@@ -89,13 +89,23 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_json(path: str, payload: dict) -> None:
-    """Write a JSON file atomically: a reader never sees half of it."""
+def write_atomically(path: str, data: str | bytes) -> None:
+    """Write `data` to `path` through a temporary file renamed over it: a reader never sees
+    half of it, and a failed write leaves no temporary file behind."""
     temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        json.dump({k: json_safe(v) for k, v in payload.items()}, handle, indent=2)
-        handle.write("\n")
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w" if isinstance(data, str) else "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except OSError:
+        if os.path.isfile(temporary):
+            os.remove(temporary)
+        raise
+
+
+def write_json(path: str, payload: dict) -> None:
+    """Write a JSON file atomically, NaN and infinities as null."""
+    write_atomically(path, json.dumps({k: json_safe(v) for k, v in payload.items()}, indent=2) + "\n")
 
 
 class MetricsSink(Protocol):

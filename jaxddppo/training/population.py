@@ -16,14 +16,13 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 
 from jaxddppo import sharding
-from jaxddppo.config.files import with_overrides
+from jaxddppo.config.files import SWEEP_SPEC_FILE, with_overrides
 from jaxddppo.config.options import TRACED_KEYS, Config, ConfigError
 from jaxddppo.config.reference import options
 from jaxddppo.distributed.topology import make_topology, place_population
 from jaxddppo.references import UserObjects
 from jaxddppo.training.experiment import Experiment, Member, assemble
 
-SPEC_FILE = "sweep.json"  # the grid, seeds and member devices, for a resume
 
 SEED_KEY = "train.seed"
 
@@ -142,10 +141,10 @@ class SweepSpec:
 def read_spec(run_dir: str) -> SweepSpec:
     """The grid, seeds and member devices of the sweep in `run_dir`; ConfigError if it has none."""
     try:
-        with open(os.path.join(run_dir, SPEC_FILE)) as handle:
+        with open(os.path.join(run_dir, SWEEP_SPEC_FILE)) as handle:
             return SweepSpec(**json.load(handle))
     except FileNotFoundError:
-        raise ConfigError(f"{run_dir} has no {SPEC_FILE}: not a sweep's run directory "
+        raise ConfigError(f"{run_dir} has no {SWEEP_SPEC_FILE}: not a sweep's run directory "
                           "(resume a single run with python -m jaxddppo.train --resume)") from None
     except (ValueError, TypeError) as error:
-        raise ConfigError(f"{os.path.join(run_dir, SPEC_FILE)} is unreadable: {error}") from None
+        raise ConfigError(f"{os.path.join(run_dir, SWEEP_SPEC_FILE)} is unreadable: {error}") from None
