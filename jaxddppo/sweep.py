@@ -267,13 +267,15 @@ def run_sweep(config: Union[Config, Mapping, str], grid: Optional[Mapping[str, S
         write_json(os.path.join(run_dir, SWEEP_SPEC_FILE), asdict(spec))
     try:
         result = _results(population, train_experiment(population, session))
+        if result.members is not None:
+            session.log_summaries(result.members)
         if is_writer:
             with one_line_result_faults(run_dir, RESUME_COMMAND):
                 save_curves(population, run_dir)
         if result.summary is not None:
             _report(population, result, progress)
     finally:
-        progress.close()
+        session.close()
     return result
 
 

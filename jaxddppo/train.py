@@ -41,7 +41,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
         torso: Any = None) -> TrainResult:
     """Train with `config` (a Config, a nested dict or a YAML path), writing config.yaml,
     metrics.jsonl, checkpoints, summary.json and learning_curve.png (and TensorBoard
-    events if asked) to the run dir.
+    events or W&B runs if asked) to the run dir.
 
     With `resume`, `config.run.dir` holds an earlier run (see `load_resume_config`):
     its newest intact checkpoint is restored and training continues from it.
@@ -60,6 +60,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
         result = train_experiment(experiment, session)
         if result.stopped_by is None:
             result = replace(result, summary=summarise(experiment, result))
+            session.log_summaries([result.summary])
         if is_writer:
             with one_line_result_faults(run_dir, "python -m jaxddppo.train --resume"):
                 if result.summary is not None:
@@ -75,7 +76,7 @@ def run(config: Union[Config, Mapping, str], devices: Optional[Sequence[jax.Devi
                 + (f"; {run_dir}/summary.json" if is_writer else "")
             )
     finally:
-        progress.close()
+        session.close()
     return result
 
 

@@ -130,13 +130,14 @@ _SWITCH_FROM_YAML_BOOLEAN = {"True": "on", "False": "off"}
 
 
 def _validated(merged: Any) -> Config:
-    """The Config of merged layers, with `run.cpu_tuning: on` and `run.compilation_cache: off`
-    read as written, validated."""
+    """The Config of merged layers, with `run.cpu_tuning: on`, `run.compilation_cache: off` and
+    `wandb.mode: off` read as written, validated."""
     config = OmegaConf.to_object(merged)
-    run = config.run
+    run, wandb = config.run, config.wandb
     config = dataclasses.replace(config, run=dataclasses.replace(
         run, cpu_tuning=_SWITCH_FROM_YAML_BOOLEAN.get(run.cpu_tuning, run.cpu_tuning),
-        compilation_cache=_SWITCH_FROM_YAML_BOOLEAN.get(run.compilation_cache, run.compilation_cache)))
+        compilation_cache=_SWITCH_FROM_YAML_BOOLEAN.get(run.compilation_cache, run.compilation_cache)),
+        wandb=dataclasses.replace(wandb, mode=_SWITCH_FROM_YAML_BOOLEAN.get(wandb.mode, wandb.mode)))
     validate(config)
     return config
 

@@ -226,6 +226,26 @@ class RunConfig:
     )
 
 
+TRACKER_MODES = ("off", "online", "offline")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases: process 0 logs every metrics.jsonl field, the config and the summary (docs/outputs.md)."""
+
+    mode: str = _opt(
+        "off", "off; online, to W&B's server as the run goes (after wandb login or with WANDB_API_KEY); offline, "
+        "into RUN_DIR/wandb for wandb sync to upload later. Needs pip install 'jaxddppo[wandb]'",
+        choices=TRACKER_MODES,
+    )
+    project: Optional[str] = _opt(None, "W&B project (default: W&B's: WANDB_PROJECT, else uncategorized)")
+    entity: Optional[str] = _opt(None, "W&B entity, a user or team (default: W&B's: WANDB_ENTITY, else the login's)")
+    group: Optional[str] = _opt(
+        None, "W&B group (default: none for a run; a sweep's members: the run directory's name)"
+    )
+    tags: tuple[str, ...] = _opt((), "W&B tags of the run (of every member of a sweep)")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """When checkpoints are saved and how many are kept."""
@@ -275,6 +295,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     pbt: PBTConfig = field(default_factory=PBTConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
@@ -287,7 +308,7 @@ def section_names() -> list[str]:
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
-    "run.cpu_devices", "run.compilation_cache", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
+    "run.cpu_devices", "run.compilation_cache", "wandb.*", "eval.*", "checkpoint.*", "distributed.*", "debug.*",
 )
 
 
@@ -358,6 +379,7 @@ def validate(config: Config) -> None:
         value = getattr(config.ppo, key)
         _check(value >= 0, f"ppo.{key}", value, "must be >= 0")
     _validate_pbt(config.pbt)
+    _validate_wandb(config.wandb)
     _validate_distributed(config.distributed)
     _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
            "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
@@ -384,6 +406,15 @@ def _validate_pbt(config: PBTConfig) -> None:
     for key in config.keys:
         _check(key in TRACED_KEYS, "pbt.keys", list(config.keys), f"{key} is not one of {', '.join(TRACED_KEYS)}")
     _check(len(set(config.keys)) == len(config.keys), "pbt.keys", list(config.keys), "names a key twice")
+
+
+def _validate_wandb(config: WandbConfig) -> None:
+    for name in ("project", "entity", "group"):
+        value = getattr(config, name)
+        _check(value is None or (isinstance(value, str) and value.strip() != ""), f"wandb.{name}", value,
+               "must be a non-empty string (or left unset for W&B's default)")
+    _check(all(isinstance(tag, str) and 0 < len(tag) <= 64 for tag in config.tags), "wandb.tags", list(config.tags),
+           "must be a list of strings of 1 to 64 characters")
 
 
 def _validate_distributed(config: DistributedConfig) -> None:

@@ -8,21 +8,23 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 
 from jaxddppo import sharding
-from jaxddppo.config.files import check_resume
-from jaxddppo.config.options import ConfigError
+from jaxddppo.config.files import check_resume, to_dict, with_overrides
+from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess
 from jaxddppo.outputs.env_spec import env_spec_record
 from jaxddppo.outputs.run_dir import shared_run_dir, write_config, write_env_spec
+from jaxddppo.outputs.tracker import TrackedRun, WandbTracker, check_available
 from jaxddppo.outputs.writers import (
     PBT_FILE,
+    FanOut,
     MetricsSink,
     MetricsWriter,
     Progress,
@@ -40,7 +42,7 @@ from jaxddppo.training.checkpoint import (
     StopSignals,
 )
 from jaxddppo.training.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
-from jaxddppo.training.experiment import Experiment, Programs, compile_programs, update_count
+from jaxddppo.training.experiment import Experiment, Member, Programs, compile_programs, update_count
 from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
 
@@ -227,12 +229,47 @@ def restore_run(experiment: Experiment, checkpointer: Checkpointer, run_dir: str
 @dataclass(frozen=True)
 class Session:
     """Where and how a population trains: its run directory (claimed by process 0, or an
-    earlier run's to resume), its progress output, and when to stop early."""
+    earlier run's to resume), its progress output, its W&B runs (process 0, if asked for), and
+    when to stop early."""
 
     run_dir: str
     progress: Progress
     resume: bool
     stop_after_updates: Optional[int]
+    tracker: Optional[WandbTracker] = None
+
+    def log_summaries(self, summaries: Sequence[dict]) -> None:
+        """Each member's summary (summary.json's fields, a member's row of sweep.csv) to W&B."""
+        if self.tracker is not None:
+            self.tracker.log_summaries(summaries)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.tracker is not None:
+            self.tracker.close()
+
+
+def open_tracker(experiment: Experiment, run_dir: str, progress: Progress) -> Optional[WandbTracker]:
+    """The W&B runs of process 0, if `wandb.mode` asks for them: one per member, named like the
+    run directory, with the config of the single run the member equals; a sweep's are grouped
+    (by default) under the run directory's name."""
+    config, name = experiment.config, os.path.basename(os.path.normpath(run_dir))
+    if config.wandb.mode == "off" or jax.process_index() != 0:
+        return None
+    resolved = replace(config, run=replace(config.run, dir=run_dir))
+    runs = [tracked_run(member, resolved, name, experiment.is_sweep) for member in experiment.members]
+    group = config.wandb.group or (name if experiment.is_sweep else None)
+    return WandbTracker(config.wandb, run_dir, runs, group, progress.message)
+
+
+def tracked_run(member: Member, config: Config, name: str, is_sweep: bool) -> TrackedRun:
+    """A member's W&B run: its seed and hyperparameters in `config`; a sweep's member also by
+    index and setting."""
+    member_config = to_dict(with_overrides(config, {**member.values, "train.seed": member.seed}))
+    if not is_sweep:
+        return TrackedRun(name, member_config)
+    return TrackedRun(f"{name}-member-{member.index}",
+                      {**member_config, "member": member.index, "setting": member.setting})
 
 
 def start_session(experiment: Experiment, name: str, resume: bool, stop_after_updates: Optional[int],
@@ -243,6 +280,7 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
     config, topology, is_writer = experiment.config, experiment.topology, jax.process_index() == 0
     if resume:
         check_resume(config)
+    check_available(config.wandb)
     run_dir = config.run.dir if resume else shared_run_dir(config, name)
     if is_writer and not resume:
         write_config(run_dir, config)
@@ -265,7 +303,7 @@ def start_session(experiment: Experiment, name: str, resume: bool, stop_after_up
     )
     for warning in warnings:
         progress.message(warning)
-    return Session(run_dir, progress, resume, stop_after_updates)
+    return Session(run_dir, progress, resume, stop_after_updates, open_tracker(experiment, run_dir, progress))
 
 
 def train_experiment(experiment: Experiment, session: Session) -> TrainResult:
@@ -308,11 +346,13 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     compile_seconds = time.perf_counter() - compile_start
 
     writer = open_metrics_sink(session.run_dir, config.run.tensorboard) if is_writer else None
+    # The session closes its tracker, after the summary: only `writer` closes here.
+    rows_to = writer if session.tracker is None else FanOut([writer, session.tracker])
     pbt_writer = open_pbt_log(experiment, session.run_dir, state, counters.update)
     try:
         with StopSignals(session.progress.message) as signals:
             loop = train_chunks(experiment, state, programs, chunk_plan(*plan, config.pbt.every_updates), counters,
-                                LoopOutputs(writer, pbt_writer, session.progress, checkpointer, signals))
+                                LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals))
     except NonFiniteError as error:
         checkpointer.wait()
         raise NonFiniteError(f"{error}; stopped without saving it; "
