@@ -5,12 +5,16 @@ with the deterministic policy on device, and prints the return and length
 statistics. With the defaults (the run's `eval.num_episodes` and its evaluation
 key) it reproduces the run's own final evaluation in summary.json.
 
+`--video FILE` (.gif, or .mp4 with the `video` extra) instead draws `--video-episodes`
+episodes of the deterministic policy into FILE, for environments that can draw themselves.
+
 `--verify` instead reads back every checkpoint of a run or a sweep and checks it
 against its digest: one line each, exit 0 only when the newest is intact.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -23,6 +27,7 @@ from jaxddppo.cli import OneLineParser
 from jaxddppo.config.files import SWEEP_SPEC_FILE, load_resume_config
 from jaxddppo.config.options import ConfigError
 from jaxddppo.outputs.policy import Policy, load_policy
+from jaxddppo.outputs.video import check_video_path, render_episodes, write_video
 from jaxddppo.training.checkpoint import Checkpointer, CheckpointError
 from jaxddppo.training.compile_cache import use_compilation_cache
 from jaxddppo.training.eval_episodes import EvalResult, evaluate_policy_program
@@ -40,6 +45,16 @@ def evaluate(policy: Policy, num_episodes: Optional[int] = None, seed: Optional[
     return evaluate_policy_program(
         policy.env, policy.network, policy.params, key, episodes, policy.obs_moments
     )
+
+
+def video(policy: Policy, path: str, num_episodes: int = 1, seed: Optional[int] = None) -> list[int]:
+    """Draw `num_episodes` deterministic episodes into `path`, one after another; their lengths.
+
+    Episode `i` plays with `fold_in(key, i)`, `key` the seed's or else the run's final evaluation's."""
+    key = final_eval_key(policy.config) if seed is None else jax.random.key(seed)
+    episodes = render_episodes(policy.env, policy.network, policy.params, policy.obs_moments, key, num_episodes)
+    write_video(path, [frame for frames in episodes for frame in frames])
+    return [len(frames) - 1 for frames in episodes]
 
 
 def statistics(result: EvalResult) -> dict:
@@ -77,6 +92,17 @@ def verify(run_dir: str) -> int:
     return 0 if verdicts[-1][1] else 1
 
 
+def print_video(args: argparse.Namespace, policy: Policy) -> int:
+    lengths = video(policy, args.video, args.video_episodes, args.seed)
+    if args.json:
+        print(json.dumps({"run_dir": args.run_dir, "update": policy.counters.update, "video": args.video,
+                          "episode_lengths": lengths, "frames": sum(lengths) + len(lengths)}))
+    else:
+        print(f"{args.video}: {len(lengths)} episode(s) of {policy.config.env.id} at update "
+              f"{policy.counters.update}, lengths {', '.join(map(str, lengths))}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(prog="python -m jaxddppo.evaluate",
                             description="Evaluate the deterministic policy of a run's checkpoint.")
@@ -85,17 +111,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, help="evaluation seed (default: the key of the run's final evaluation)")
     parser.add_argument("--checkpoint", type=int, metavar="STEP", help="checkpoint to load (default: the newest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--video", metavar="FILE",
+                        help="evaluate nothing: draw the deterministic policy's episodes into FILE (.gif, or .mp4 "
+                        "with the video extra), for environments that can draw themselves")
+    parser.add_argument("--video-episodes", type=int, default=1, metavar="N",
+                        help="episodes in the --video, one after another (default 1)")
     parser.add_argument("--verify", action="store_true",
                         help="evaluate nothing: check every checkpoint against its digest, one line each; exit 0 "
                         "only when the newest is intact, 1 otherwise")
     args = parser.parse_args(argv)
     if args.episodes is not None and args.episodes < 1:
         parser.error(f"--episodes={args.episodes} must be at least 1")
+    if args.video_episodes < 1:
+        parser.error(f"--video-episodes={args.video_episodes} must be at least 1")
     try:
         if args.verify:
             return verify(args.run_dir)
+        if args.video is not None:
+            check_video_path(args.video)
         policy = load_policy(args.run_dir, args.checkpoint, report=lambda message: print(message, file=sys.stderr))
         use_compilation_cache("auto")
+        if args.video is not None:
+            return print_video(args, policy)
         stats = statistics(evaluate(policy, args.episodes, args.seed))  # builds the environment, which may refuse
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

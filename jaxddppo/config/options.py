@@ -159,6 +159,11 @@ class EvalConfig:
         0, "evaluate every this many updates during training, between chunks (0: only at the end); "
         "a multiple of train.updates_per_chunk"
     )
+    video_every_updates: int = _opt(
+        0, "every this many updates, draw one episode of the deterministic policy into RUN_DIR/videos/"
+        "update_<N>.gif (a sweep: update_<N>_member_<M>.gif), for environments that can draw themselves "
+        "(0: off); a multiple of train.updates_per_chunk"
+    )
 
 
 @dataclass(frozen=True)
@@ -362,6 +367,7 @@ def validate(config: Config) -> None:
         ("run.cpu_threads", config.run.cpu_threads, " (0: XLA's default, one per core)"),
         ("run.cpu_devices", config.run.cpu_devices, " (0: JAX's default)"),
         ("eval.every_updates", config.eval.every_updates, " (0: evaluate only at the end)"),
+        ("eval.video_every_updates", config.eval.video_every_updates, " (0: off)"),
     ]
     for key, value, meaning in non_negative:
         _check(value >= 0, key, value, f"must be >= 0{meaning}")

@@ -81,7 +81,8 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
             f"(env.num_envs x ppo.num_steps = {env_steps_per_update}); raise train.total_env_steps"
         )
     updates_per_chunk = min(config.train.updates_per_chunk, num_updates)
-    _check_eval_cadence(config.eval.every_updates, config.train.updates_per_chunk, num_updates)
+    for key in ("every_updates", "video_every_updates"):
+        _check_eval_cadence(f"eval.{key}", getattr(config.eval, key), config.train.updates_per_chunk, num_updates)
     return Topology(
         num_devices=num_devices,
         num_processes=num_processes,
@@ -98,8 +99,8 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
     )
 
 
-def _check_eval_cadence(every_updates: int, updates_per_chunk_setting: int, num_updates: int) -> None:
-    """Periodic evaluations run between compiled chunks, so they must fall on chunk boundaries."""
+def _check_eval_cadence(key: str, every_updates: int, updates_per_chunk_setting: int, num_updates: int) -> None:
+    """Periodic evaluations and videos run between compiled chunks, so they must fall on chunk boundaries."""
     updates_per_chunk = min(updates_per_chunk_setting, num_updates)
     if every_updates == 0 or every_updates % updates_per_chunk == 0:
         return
@@ -107,8 +108,8 @@ def _check_eval_cadence(every_updates: int, updates_per_chunk_setting: int, num_
     if updates_per_chunk < updates_per_chunk_setting:
         chunk_name += f" (capped at the run's {num_updates} updates)"
     raise ConfigError(
-        f"eval.every_updates={every_updates} is not a multiple of {chunk_name}={updates_per_chunk}; "
-        f"evaluations run between chunks of updates: set eval.every_updates to a multiple of {updates_per_chunk}"
+        f"{key}={every_updates} is not a multiple of {chunk_name}={updates_per_chunk}; "
+        f"evaluations run between chunks of updates: set {key} to a multiple of {updates_per_chunk}"
     )
 
 

@@ -35,12 +35,16 @@ directory already exists (it never triggers the clone).
 
 from __future__ import annotations
 
+import ctypes.util
+import importlib
 import importlib.util
 import math
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvSpec, observation_spec, strongly_typed
@@ -101,6 +105,7 @@ class PlaygroundCore:
         self.episode_length = int(config.episode_length)
         self.action_repeat = int(config.get("action_repeat", 1) or 1)
         self.num_actions = int(self.env.action_size)
+        self._painter: Any = None  # made by the first `render`
 
         self.spec = EnvSpec(
             env_id=env_id,
@@ -136,6 +141,77 @@ class PlaygroundCore:
         truncated = jnp.logical_and(steps >= self.episode_length, jnp.logical_not(terminated))
         env_state = strongly_typed(env_state)
         return env_state.obs, (env_state, steps), jnp.asarray(reward, jnp.float32), terminated, truncated
+
+    def render(self, state: Any) -> np.ndarray:
+        """One state drawn by MuJoCo's OpenGL renderer, headless: [240, 320, 3] uint8."""
+        if self._painter is None:
+            self._painter = MujocoPainter(self.env.mj_model, self.spec.env_id)
+        return self._painter.draw(state[0].data)
+
+
+FRAME_HEIGHT, FRAME_WIDTH = 240, 320
+
+
+def gl_context_class(env_id: str) -> type:
+    """MuJoCo's OpenGL context: the one MUJOCO_GL chose when MuJoCo was imported, else a headless
+    one without a display, EGL where its library loads, else OSMesa.
+
+    The class is picked here rather than by setting MUJOCO_GL, which MuJoCo reads once, on import
+    (the environment imported it); PyOpenGL binds one platform per process, so a platform already
+    named by PYOPENGL_PLATFORM is the only one tried."""
+    if os.environ.get("MUJOCO_GL"):
+        from mujoco import gl_context
+
+        return gl_context.GLContext
+    named = os.environ.get("PYOPENGL_PLATFORM", "").lower()
+    for platform, library in (("egl", "EGL"), ("osmesa", "OSMesa")):
+        if named in ("", platform) and ctypes.util.find_library(library):
+            return importlib.import_module(f"mujoco.{platform}").GLContext
+    raise ConfigError(f"env.id={env_id!r}: cannot render: MuJoCo draws headless with EGL or OSMesa and neither library "
+                      "loads here (apt-get install libegl1, or libosmesa6; or set MUJOCO_GL)")
+
+
+class MujocoPainter:
+    """MuJoCo's renderer of one model, in an OpenGL context of its own: the model's first
+    camera (the DM Control suite's side or fixed view), else MuJoCo's default free camera."""
+
+    def __init__(self, model: Any, env_id: str):
+        import mujoco
+
+        try:
+            self.context = gl_context_class(env_id)(FRAME_WIDTH, FRAME_HEIGHT)
+            self.context.make_current()
+        except ConfigError:
+            raise
+        except Exception as error:  # the GL libraries' own errors, of many types
+            raise ConfigError(f"env.id={env_id!r}: cannot render: MuJoCo's OpenGL context failed: {error}") from None
+        self.model, self.data = model, mujoco.MjData(model)
+        self.scene = mujoco.MjvScene(model, maxgeom=10_000)
+        self.option = mujoco.MjvOption()
+        self.camera = mujoco.MjvCamera()
+        if model.ncam:
+            self.camera.type, self.camera.fixedcamid = mujoco.mjtCamera.mjCAMERA_FIXED, 0
+        else:
+            self.camera.type = mujoco.mjtCamera.mjCAMERA_FREE
+            mujoco.mjv_defaultFreeCamera(model, self.camera)
+        self.gpu = mujoco.MjrContext(model, mujoco.mjtFontScale.mjFONTSCALE_150)
+        mujoco.mjr_setBuffer(mujoco.mjtFramebuffer.mjFB_OFFSCREEN, self.gpu)
+        self.viewport = mujoco.MjrRect(0, 0, FRAME_WIDTH, FRAME_HEIGHT)
+
+    def draw(self, data: Any) -> np.ndarray:
+        """The scene of `data` (an MJX state's data, on the host) as [H, W, 3] uint8."""
+        import mujoco
+
+        for field in ("qpos", "qvel", "mocap_pos", "mocap_quat", "xfrc_applied"):
+            getattr(self.data, field)[:] = np.asarray(getattr(data, field))
+        mujoco.mj_forward(self.model, self.data)
+        self.context.make_current()
+        mujoco.mjv_updateScene(self.model, self.data, self.option, None, self.camera, mujoco.mjtCatBit.mjCAT_ALL,
+                               self.scene)
+        mujoco.mjr_render(self.viewport, self.scene, self.gpu)
+        pixels = np.empty((FRAME_HEIGHT, FRAME_WIDTH, 3), np.uint8)
+        mujoco.mjr_readPixels(pixels, None, self.viewport, self.gpu)
+        return np.flipud(pixels).copy()  # OpenGL's first row is the bottom one
 
 
 def make_core(name: str, env_id: str) -> PlaygroundCore:

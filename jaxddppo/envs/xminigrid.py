@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvSpec, observation_spec
@@ -76,6 +77,10 @@ class XMiniGridCore:
         truncated = jnp.logical_and(last, jnp.logical_not(terminated))
         reward = jnp.asarray(timestep.reward, jnp.float32)
         return timestep.observation, timestep, reward, terminated, truncated
+
+    def render(self, state: Any) -> np.ndarray:
+        """The whole grid with the agent, drawn by xminigrid's RGB renderer: [H, W, 3] uint8."""
+        return np.asarray(self.env.render(self.params.replace(render_mode="rgb_array"), state), np.uint8)
 
 
 def make_core(name: str, env_id: str) -> XMiniGridCore:

@@ -19,6 +19,7 @@ from jaxddppo.config.files import check_resume, to_dict, with_overrides
 from jaxddppo.config.options import Config, ConfigError
 from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess
+from jaxddppo.outputs import video
 from jaxddppo.outputs.env_spec import env_spec_record
 from jaxddppo.outputs.run_dir import shared_run_dir, write_config, write_env_spec
 from jaxddppo.outputs.tracker import TrackedRun, WandbTracker, check_available
@@ -42,7 +43,7 @@ from jaxddppo.training.checkpoint import (
     StopSignals,
 )
 from jaxddppo.training.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
-from jaxddppo.training.experiment import Experiment, Member, Programs, compile_programs, update_count
+from jaxddppo.training.experiment import Experiment, Member, Programs, compile_programs, final_eval_key, update_count
 from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
 
@@ -105,6 +106,7 @@ class LoopOutputs:
     progress: Progress
     checkpointer: Checkpointer
     signals: StopSignals
+    video_dir: Optional[str] = None  # process 0 of a run with eval.video_every_updates only
 
 
 def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
@@ -128,6 +130,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         first_update, update = counters.update, counters.update + size
         eval_start = time.perf_counter()
         evaluations = programs.evaluate_after(state, update, config.eval.every_updates, mesh)
+        write_videos(experiment, state, update, outputs.video_dir)
         eval_seconds = time.perf_counter() - eval_start
         if outputs.writer is not None:
             outputs.writer.write(chunk_rows(experiment, per_member, first_update,
@@ -138,7 +141,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         if config.debug.check_replicas:
             multiprocess.check_replicas(state.params, mesh, update)
         returns = [chunk_episode_return(member_metrics) for member_metrics in per_member]
-        # Training time counts the host's work between chunks (logging, checks) but not evaluations.
+        # Training time counts the host's work between chunks (logging, checks) but not evaluations and videos.
         counters = RunCounters(
             update=update,
             env_steps=update * topology.env_steps_per_update,
@@ -158,6 +161,24 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         if stop is not None:
             return LoopResult(state, counters, saved_update, stop)
     return LoopResult(state, counters, saved_update, None)
+
+
+def write_videos(experiment: Experiment, state: TrainState, update: int, video_dir: Optional[str]) -> None:
+    """Every member's video of one deterministic episode after `update`, when it is on the
+    eval.video_every_updates cadence, into `video_dir` (None: another process writes them).
+    A collective in a multi-process run."""
+    every = experiment.config.eval.video_every_updates
+    if not every or update % every:
+        return
+    params, obs_moments = global_arrays.member_values((state.params, state.obs_moments), experiment.mesh)
+    if video_dir is None:
+        return
+    for member in experiment.members:
+        member_params, member_moments = jax.tree.map(lambda leaf: leaf[member.index], (params, obs_moments))
+        key = jax.random.fold_in(final_eval_key(member.config), update)
+        frames = video.render_episodes(experiment.env, experiment.network, member_params, member_moments, key)[0]
+        name = f"update_{update}" + (f"_member_{member.index}" if experiment.is_sweep else "")
+        video.write_video(os.path.join(video_dir, f"{name}.gif"), frames)
 
 
 def pbt_record(state: TrainState) -> Optional[pbt.PBTState]:
@@ -338,6 +359,10 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
         restored_update = counters.update if counters.update else None
         if is_writer:
             write_config(session.run_dir, config)  # with the resume's overrides, once they proved valid
+    video_dir = None
+    if config.eval.video_every_updates and is_writer:
+        video.check_renders(experiment.env)  # before compiling: a run that cannot draw is refused at once
+        video_dir = os.path.join(session.run_dir, "videos")
     programs = compile_programs(experiment, final_evaluation=stop_update == topology.num_updates)
     if state is None:
         state = programs.init(programs.inputs)
@@ -352,7 +377,7 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     try:
         with StopSignals(session.progress.message) as signals:
             loop = train_chunks(experiment, state, programs, chunk_plan(*plan, config.pbt.every_updates), counters,
-                                LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals))
+                                LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals, video_dir))
     except NonFiniteError as error:
         checkpointer.wait()
         raise NonFiniteError(f"{error}; stopped without saving it; "
