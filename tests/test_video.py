@@ -121,6 +121,17 @@ def test_a_playground_episode_is_drawn_by_mujoco_headless(tmp_path):
     assert len(frames) == 31 and frames[0].shape == (240, 320, 3)
 
 
+@pytest.mark.families
+def test_a_jumanji_episode_is_drawn_by_its_viewer(tmp_path):
+    if not family_installed("jumanji"):
+        pytest.skip("the jumanji extra is not installed")
+    experiment = build(from_dict(tiny_run(tmp_path / "unused", "jumanji:Knapsack-v1")), jax.devices()[:1])
+    # an episode ends when no unpacked item fits the remaining budget
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment), tmp_path,
+                                  lambda state: not np.any(~state.packed_items & (state.weights <= state.remaining_budget)))
+    assert frames[0].shape == (400, 400, 3)
+
+
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
     """Two updates of CartPole with a video after each."""

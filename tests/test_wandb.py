@@ -151,9 +151,10 @@ def reference_digest(tmp_path_factory) -> float:
 def test_a_run_logs_its_rows_config_and_summary_and_a_resume_continues_the_same_wandb_run(
         wandb, reference_digest, tmp_path, messages):
     run_dir = tmp_path / "run"
-    stopped = run(small(run_dir), devices=jax.devices()[:1], stop_after_updates=4)
+    with_video = {"num_episodes": 2, "video_every_updates": 8}
+    stopped = run(small(run_dir, eval=with_video), devices=jax.devices()[:1], stop_after_updates=4)
     assert stopped.summary is None
-    resumed = run(from_dict(small(run_dir)), devices=jax.devices()[:1], resume=True)
+    resumed = run(from_dict(small(run_dir, eval=with_video)), devices=jax.devices()[:1], resume=True)
     assert resumed.summary["params_digest"] == reference_digest
 
     runs = offline_runs(run_dir)
@@ -163,7 +164,10 @@ def test_a_run_logs_its_rows_config_and_summary_and_a_resume_continues_the_same_
     assert logged["files"] == 2  # the first start and the resume: one W&B run
     rows = metric_rows(run_dir)
     assert [row["update"] for row in rows] == list(range(1, 9))
-    assert_history_holds(logged["history"], rows)
+    videos = [row for row in logged["history"] if "video._type" in row]  # W&B flattens a logged object's fields
+    assert [(row["env_steps"], row["video._type"]) for row in videos] == [(8 * 64, "video-file")]
+    assert len(list((run_dir / "wandb").glob(f"offline-run-*/files/{videos[0]['video.path']}"))) == 1
+    assert_history_holds([row for row in logged["history"] if "video._type" not in row], rows)
     assert logged["config"]["ppo"]["num_steps"] == 16 and logged["config"]["run"]["dir"] == str(run_dir)
     assert logged["config"]["train"]["num_shards"] == 1 and logged["config"]["wandb"]["mode"] == "offline"
     assert logged["summary"] == {**logged["summary"], **json.loads((run_dir / "summary.json").read_text())}

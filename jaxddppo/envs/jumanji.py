@@ -21,10 +21,12 @@ truncated: jumanji's timestep cannot tell the two apart.)
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxddppo.config.options import ConfigError
 from jaxddppo.envs.base import EnvSpec, observation_spec
@@ -128,6 +130,20 @@ class JumanjiCore:
             max_episode_steps=int(self.time_limit or episode_bound),
             action_mask_key=mask_key,
         )
+
+    def render(self, state: Any) -> np.ndarray:
+        """`state` drawn by the environment's own matplotlib viewer, from the figure it draws
+        into (jumanji's viewers return an image only when built to, which its environments
+        are not): [H, W, 3] uint8, 400 x 400 for the viewers' 10-inch figures."""
+        import matplotlib.pyplot as plt
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "cannot be shown" on a non-interactive backend
+            self.env.render(state)
+        figure = plt.gcf()
+        figure.set_dpi(40)
+        figure.canvas.draw()
+        return np.array(figure.canvas.buffer_rgba())[..., :3]
 
     def _obs(self, observation: Any) -> dict[str, jax.Array]:
         return {field: convert(getattr(observation, field)) for field, convert in self._converters.items()}

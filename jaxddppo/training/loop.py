@@ -107,6 +107,7 @@ class LoopOutputs:
     checkpointer: Checkpointer
     signals: StopSignals
     video_dir: Optional[str] = None  # process 0 of a run with eval.video_every_updates only
+    tracker: Optional[WandbTracker] = None  # process 0 of a run with wandb.mode on: the videos to it too
 
 
 def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
@@ -130,7 +131,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         first_update, update = counters.update, counters.update + size
         eval_start = time.perf_counter()
         evaluations = programs.evaluate_after(state, update, config.eval.every_updates, mesh)
-        write_videos(experiment, state, update, outputs.video_dir)
+        write_videos(experiment, state, update, outputs.video_dir, outputs.tracker)
         eval_seconds = time.perf_counter() - eval_start
         if outputs.writer is not None:
             outputs.writer.write(chunk_rows(experiment, per_member, first_update,
@@ -163,10 +164,11 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
     return LoopResult(state, counters, saved_update, None)
 
 
-def write_videos(experiment: Experiment, state: TrainState, update: int, video_dir: Optional[str]) -> None:
+def write_videos(experiment: Experiment, state: TrainState, update: int, video_dir: Optional[str],
+                 tracker: Optional[WandbTracker] = None) -> None:
     """Every member's video of one deterministic episode after `update`, when it is on the
-    eval.video_every_updates cadence, into `video_dir` (None: another process writes them).
-    A collective in a multi-process run."""
+    eval.video_every_updates cadence, into `video_dir` (None: another process writes them) and
+    to `tracker`'s W&B runs. A collective in a multi-process run."""
     every = experiment.config.eval.video_every_updates
     if not every or update % every:
         return
@@ -178,7 +180,10 @@ def write_videos(experiment: Experiment, state: TrainState, update: int, video_d
         key = jax.random.fold_in(final_eval_key(member.config), update)
         frames = video.render_episodes(experiment.env, experiment.network, member_params, member_moments, key)[0]
         name = f"update_{update}" + (f"_member_{member.index}" if experiment.is_sweep else "")
-        video.write_video(os.path.join(video_dir, f"{name}.gif"), frames)
+        path = os.path.join(video_dir, f"{name}.gif")
+        video.write_video(path, frames)
+        if tracker is not None:
+            tracker.log_video(member.index, path, update * experiment.topology.env_steps_per_update)
 
 
 def pbt_record(state: TrainState) -> Optional[pbt.PBTState]:
@@ -377,7 +382,8 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     try:
         with StopSignals(session.progress.message) as signals:
             loop = train_chunks(experiment, state, programs, chunk_plan(*plan, config.pbt.every_updates), counters,
-                                LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals, video_dir))
+                                LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals, video_dir,
+                                            session.tracker))
     except NonFiniteError as error:
         checkpointer.wait()
         raise NonFiniteError(f"{error}; stopped without saving it; "
