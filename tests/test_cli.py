@@ -305,7 +305,7 @@ def test_run_writes_config_metrics_and_summary(real_runs: RealRuns, assert_real_
     run_dir = real_runs.main_dir
     # No TensorBoard events unless run.tensorboard=true.
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints", "config.yaml", "learning_curve.png", "metrics.jsonl", "summary.json"
+        "checkpoints", "config.yaml", "env_spec.json", "learning_curve.png", "metrics.jsonl", "summary.json"
     ], result.describe()
     # The final checkpoint alone: the last update (the short run never reaches checkpoint.every_seconds=300).
     assert os.listdir(run_dir / "checkpoints") == [str(MAIN_NUM_UPDATES)]
