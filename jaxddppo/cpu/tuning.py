@@ -36,7 +36,7 @@ import math
 import os
 import pkgutil
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.experimental
@@ -111,6 +111,12 @@ def sort_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Arra
             sorted_positions = (packed & np.uint64(0xFFFFFFFF)).astype(jnp.int32)
         order = jnp.take_along_axis(order, sorted_positions, axis=-1)
     return order
+
+
+def network_dot_general(config: Config) -> Optional[Callable]:
+    """The built-in Dense layers' product for a resolved config: `dense_dot_general` with the
+    CPU techniques on, else None (`lax.dot_general`)."""
+    return dense_dot_general if is_on(config) else None
 
 
 def dense_dot_general(

@@ -142,8 +142,7 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     spec = read_env_spec(run_dir)
     if spec is None:
         spec = make_env(config.env.id, kwargs=config.env.kwargs, given=objects.env).spec
-    network = make_actor_critic(config.network, spec,
-                                cpu_tuning.dense_dot_general if cpu_tuning.is_on(config) else None, objects.torso)
+    network = make_actor_critic(config.network, spec, cpu_tuning.network_dot_general(config), objects.torso)
     checkpointer = Checkpointer(run_dir, read_only=True)
     try:
         if step is None:
