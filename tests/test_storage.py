@@ -5,6 +5,7 @@ the run done in one go."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -70,6 +71,39 @@ def test_digest_sees_every_changed_bit_and_no_placement(one_go):
             changed = jax.random.wrap_key_data(changed)
         tree = jax.tree.unflatten(treedef, [*leaves[:index], changed, *leaves[index + 1:]])
         assert global_arrays.state_digest(tree) != digest, index
+
+
+def numpy_checksum(named: dict[str, np.ndarray]) -> np.ndarray:
+    """The checksum's definition in NumPy: every 32-bit word salted by its position in its
+    leaf times 0x9E3779B9 plus the first 4 bytes (little-endian) of the sha256 of its leaf's
+    name, murmur3-finalised in two lanes, each summed modulo 2**32."""
+    def mix(bits: np.ndarray) -> np.ndarray:
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            bits = (bits ^ (bits >> shift)) * np.uint64(factor) % 2**32
+        return bits ^ (bits >> 16)
+
+    sums = np.zeros(2, np.uint64)
+    for name, leaf in named.items():
+        bits = np.ascontiguousarray(leaf).view(np.uint32).reshape(-1).astype(np.uint64)
+        name_salt = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+        salt = (np.arange(bits.size, dtype=np.uint64) * 0x9E3779B9 + name_salt) % 2**32
+        lanes = (mix(bits ^ salt), mix((mix((bits + salt) % 2**32) ^ 0x5BD1E995)))
+        sums = (sums + [lane.sum() % 2**32 for lane in lanes]) % 2**32
+    return sums.astype(np.uint32)
+
+
+def test_checksum_equals_its_numpy_definition_in_any_leaf_order():
+    tree = {"params": {"w": np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5, "b": np.full(3, -0.0, np.float32)},
+            "count": np.array([7, 2**31 + 5], np.uint32), "steps": np.int32(-3)}
+    named = {"params/w": tree["params"]["w"], "params/b": tree["params"]["b"], "count": tree["count"],
+             "steps": np.asarray(tree["steps"])}
+    want = numpy_checksum(named)
+    np.testing.assert_array_equal(np.asarray(jax.jit(global_arrays._bit_checksum)(tree)), want)
+    reordered = [tree["steps"], {"b": tree["params"]["b"], "w": tree["params"]["w"]}, tree["count"]]
+    renamed = {"0": named["steps"], "1/b": named["params/b"], "1/w": named["params/w"], "2": named["count"]}
+    np.testing.assert_array_equal(np.asarray(jax.jit(global_arrays._bit_checksum)(reordered)),
+                                  numpy_checksum(renamed))
+    assert not np.array_equal(numpy_checksum(renamed), want)
 
 
 def messages(monkeypatch) -> list[str]:

@@ -120,6 +120,9 @@ def named_leaves(tree: Any) -> dict[str, Any]:
     return {"/".join(path_names(path)): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+_SALT_STEP = 0x9E3779B9
+
+
 def _name_salt(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
 
@@ -135,8 +138,12 @@ def _bit_checksum(tree: Any) -> jax.Array:
     if not words:
         return jnp.zeros(2, jnp.uint32)
     bits = jnp.concatenate(list(words.values()))
-    salt = jnp.concatenate([jnp.arange(leaf_words.size, dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-                            + jnp.uint32(_name_salt(name)) for name, leaf_words in words.items()])
+    # A word's salt is (its position in its leaf) * STEP + its leaf's name salt: one iota over
+    # the vector plus a constant per leaf, which compiles in half the time of an iota per leaf.
+    starts = np.cumsum([0] + [leaf_words.size for leaf_words in words.values()])[:-1]
+    leaf_terms = jnp.concatenate([jnp.full(leaf_words.size, (_name_salt(name) - int(start) * _SALT_STEP) % 2**32,
+                                           jnp.uint32) for (name, leaf_words), start in zip(words.items(), starts)])
+    salt = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(_SALT_STEP) + leaf_terms
     lanes = (_mix(bits ^ salt), _mix(_mix(bits + salt) ^ jnp.uint32(0x5BD1E995)))
     return jnp.stack([jnp.sum(lane, dtype=jnp.uint32) for lane in lanes])
 
