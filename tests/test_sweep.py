@@ -165,6 +165,8 @@ def test_grid_expands_to_points_times_seeds():
     assert members[11].config.ppo.learning_rate == 1e-3 and members[11].config.train.seed == 2
     explicit = expand_members(config, {"train.seed": [5, 9]})
     assert [m.seed for m in explicit] == [5, 9] and explicit[0].values == {}
+    assert [m.config for m in members[9:]] == [with_overrides(config, {"ppo.learning_rate": 1e-3, "ppo.ent_coef": 0.01,
+                                                                      "train.seed": seed}) for seed in range(3)]
 
 
 @pytest.mark.parametrize("grid, seeds, expected", [
@@ -174,6 +176,7 @@ def test_grid_expands_to_points_times_seeds():
     ({"ppo.gamma": [0.9, 1.5]}, None, ["ppo.gamma", "1.5"]),
     ({"ppo.gamma": []}, None, ["ppo.gamma"]),
     ({"train.seed": [1, 2]}, 3, ["--seeds", "train.seed"]),
+    ({"train.seed": [1, "two"]}, None, ["train.seed", "two"]),
     ({}, 0, ["--seeds"]),
 ])
 def test_bad_grid_is_one_clear_error(grid, seeds, expected):
