@@ -132,6 +132,32 @@ def test_a_jumanji_episode_is_drawn_by_its_viewer(tmp_path):
     assert frames[0].shape == (400, 400, 3)
 
 
+@pytest.mark.families
+def test_a_craftax_episode_is_drawn_by_its_pixel_renderer(tmp_path):
+    """Craftax-Classic with a 30-step time limit (its own is 10,000)."""
+    if not family_installed("craftax"):
+        pytest.skip("the craftax extra is not installed")
+    experiment = build(from_dict(tiny_run(tmp_path / "unused", "craftax:Craftax-Classic-Symbolic-v1")),
+                       jax.devices()[:1])
+    core = experiment.env.core
+    core.params = core.params.replace(max_timesteps=30)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment), tmp_path,
+                                  lambda state: int(state.timestep) >= 30)
+    assert len(frames) == 31 and frames[0].shape == (288, 288, 3)
+
+
+@pytest.mark.families
+def test_a_navix_episode_is_drawn_by_its_rgb_observation(tmp_path):
+    if not family_installed("navix"):
+        pytest.skip("the navix extra is not installed")
+    experiment = build(from_dict(tiny_run(tmp_path / "unused", "navix:Navix-Empty-5x5-v0")), jax.devices()[:1])
+    # a policy that changes the grid once, then repeats an action that changes nothing (most random ones never
+    # change it) and so never reaches the goal: the episode ends at the time limit (100 steps)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=2), tmp_path,
+                                  lambda state: int(state[0]) >= 100)
+    assert len(frames) == 101 and frames[0].shape == (320, 320, 3)
+
+
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
     """Two updates of CartPole with a video after each."""
