@@ -3,9 +3,11 @@ run's periodic `eval.video_every_updates`.
 
 An episode of length L gives L + 1 frames (its first state, then one per step) that change
 over the episode; the GIF decodes to them (identical neighbours merged into one longer frame).
-An environment that cannot draw itself is one line and exit code 2.
+An environment that cannot draw itself is one line and exit code 2. With TensorBoard on, a
+run's periodic videos are in its events too, as animated GIF images.
 """
 
+import io
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -132,11 +134,39 @@ def test_a_jumanji_episode_is_drawn_by_its_viewer(tmp_path):
     assert frames[0].shape == (400, 400, 3)
 
 
+@pytest.mark.families
+def test_a_craftax_episode_is_drawn_by_its_pixel_renderer(tmp_path):
+    """Craftax-Classic with a 30-step time limit (its own is 10,000)."""
+    if not family_installed("craftax"):
+        pytest.skip("the craftax extra is not installed")
+    experiment = build(from_dict(tiny_run(tmp_path / "unused", "craftax:Craftax-Classic-Symbolic-v1")),
+                       jax.devices()[:1])
+    core = experiment.env.core
+    core.params = core.params.replace(max_timesteps=30)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment), tmp_path,
+                                  lambda state: int(state.timestep) >= 30)
+    assert len(frames) == 31 and frames[0].shape == (288, 288, 3)
+
+
+@pytest.mark.families
+def test_a_navix_episode_is_drawn_by_its_rgb_observation(tmp_path):
+    if not family_installed("navix"):
+        pytest.skip("the navix extra is not installed")
+    experiment = build(from_dict(tiny_run(tmp_path / "unused", "navix:Navix-Empty-5x5-v0")), jax.devices()[:1])
+    # a policy that changes the grid once, then repeats an action that changes nothing (most random ones never
+    # change it) and so never reaches the goal: the episode ends at the time limit (100 steps)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=2), tmp_path,
+                                  lambda state: int(state[0]) >= 100)
+    assert len(frames) == 101 and frames[0].shape == (320, 320, 3)
+
+
 @pytest.fixture(scope="module")
 def cartpole_run(tmp_path_factory):
-    """Two updates of CartPole with a video after each."""
+    """Two updates of CartPole with a video after each, and TensorBoard on."""
     run_dir = tmp_path_factory.mktemp("cartpole") / "run"
-    run(from_dict(tiny_run(run_dir, "CartPole-v1", video_every_updates=1)), devices=jax.devices()[:1])
+    config = tiny_run(run_dir, "CartPole-v1", video_every_updates=1)
+    config["run"]["tensorboard"] = True
+    run(from_dict(config), devices=jax.devices()[:1])
     return run_dir
 
 
@@ -145,6 +175,22 @@ def test_a_run_writes_a_video_at_every_cadence(cartpole_run):
     for path in (cartpole_run / "videos").iterdir():
         frames, _ = gif_frames(path)
         assert frames[0].shape == (320, 320, 3)
+
+
+def test_tensorboard_shows_each_video_as_an_animated_gif_at_its_env_steps(cartpole_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(cartpole_run), size_guidance={"images": 0})
+    events.Reload()
+    assert events.Tags()["images"] == ["video"]
+    images = events.Images("video")
+    assert [image.step for image in images] == [32, 64]  # 4 environments x 8 steps an update
+    for image, update in zip(images, (1, 2)):
+        path = cartpole_run / "videos" / f"update_{update}.gif"
+        assert image.encoded_image_string == path.read_bytes()
+        with Image.open(io.BytesIO(image.encoded_image_string)) as shown:
+            assert shown.format == "GIF" and (image.width, image.height) == shown.size == (320, 320)
+            assert shown.n_frames == len(gif_frames(path)[0]) >= 2
 
 
 def test_evaluate_writes_the_policy_s_episodes_one_after_another(cartpole_run, tmp_path, capsys):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxddppo.config.options import START_STATES, ConfigError
@@ -112,6 +113,14 @@ def random_actions(spec: EnvSpec, key: jax.Array, obs: Any) -> jax.Array:
     if spec.action_mask_key is None:
         return jax.random.randint(key, (num_envs,), 0, spec.num_actions)
     return jax.random.categorical(key, jnp.where(obs[spec.action_mask_key], 0.0, -jnp.inf))
+
+
+def enlarged(frame: np.ndarray, longest_side: int = 320) -> np.ndarray:
+    """A frame [H, W, 3] with every pixel repeated the largest whole number of times (at least
+    once) that keeps its longer side within `longest_side`: a renderer's few pixels a cell shown at
+    about the size the other families draw."""
+    times = max(1, longest_side // max(frame.shape[:2]))
+    return np.repeat(np.repeat(frame, times, axis=0), times, axis=1)
 
 
 class BatchedEnv:

@@ -87,8 +87,9 @@ class WandbTracker:
     def write(self, rows: list[dict]) -> None:
         self._tasks.put(lambda: self._log(rows))
 
-    def log_video(self, member: int, path: str, env_steps: int) -> None:
-        """A video file (`eval.video_every_updates`) into the member's W&B run, as `video` at `env_steps`."""
+    def log_video(self, member: Optional[int], path: str, env_steps: int) -> None:
+        """A video file (`eval.video_every_updates`) into the member's W&B run (None: the run's
+        only one), as `video` at `env_steps`."""
         self._tasks.put(lambda: self._log_video(member, path, env_steps))
 
     def log_summaries(self, summaries: Sequence[dict]) -> None:
@@ -138,10 +139,10 @@ class WandbTracker:
         for row in rows:
             self._runs[row.get("member", 0)].log(history_row(row))
 
-    def _log_video(self, member: int, path: str, env_steps: int) -> None:
+    def _log_video(self, member: Optional[int], path: str, env_steps: int) -> None:
         import wandb
 
-        self._runs[member].log({"env_steps": env_steps, "video": wandb.Video(path)})
+        self._runs[0 if member is None else member].log({"env_steps": env_steps, "video": wandb.Video(path)})
 
     def _log_summaries(self, summaries: Sequence[dict]) -> None:
         for run, summary in zip(self._runs, summaries):

@@ -116,6 +116,13 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
+class VideoSink(Protocol):
+    """Where the host loop sends the periodic videos (`eval.video_every_updates`): a GIF file of
+    member `member` (a sweep's index; None: a single run's, as a metrics row without `member`)."""
+
+    def log_video(self, member: Optional[int], path: str, env_steps: int) -> None: ...
+
+
 class MetricsWriter:
     """Appends one JSON object per update to metrics.jsonl, flushed after every chunk."""
 
@@ -159,7 +166,9 @@ class TensorBoardWriter:
     """Every numeric metrics.jsonl field as a scalar named like the field, at step `env_steps`:
     a run's in `run_dir`, each member's of a sweep in `run_dir`/tensorboard/member-<index>.
 
-    Null fields (no episode ended, no evaluation on that update) are skipped.
+    Null fields (no episode ended, no evaluation on that update) are skipped. A periodic video
+    goes in as the image `video`, its GIF's bytes as they are (TensorBoard's Images tab plays an
+    animated GIF; tensorboardX's `add_video` would need moviepy to encode one).
     """
 
     def __init__(self, run_dir: str):
@@ -184,6 +193,19 @@ class TensorBoardWriter:
         for writer in self._writers.values():
             writer.flush()
 
+    def log_video(self, member: Optional[int], path: str, env_steps: int) -> None:
+        from PIL import Image
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        with open(path, "rb") as handle:
+            gif = handle.read()
+        with Image.open(path) as image:
+            width, height = image.size
+        frames = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=gif)
+        writer = self._writer(member)
+        writer.file_writer.add_summary(Summary(value=[Summary.Value(tag="video", image=frames)]), env_steps)
+        writer.flush()
+
     def close(self) -> None:
         for writer in self._writers.values():
             writer.close()
@@ -204,10 +226,10 @@ class FanOut:
             sink.close()
 
 
-def open_metrics_sink(run_dir: str, tensorboard: bool) -> MetricsSink:
-    """metrics.jsonl in `run_dir`, and TensorBoard event files if asked for."""
+def open_metrics_sink(run_dir: str, tensorboard: Optional[TensorBoardWriter]) -> MetricsSink:
+    """metrics.jsonl in `run_dir`, and to `tensorboard` if given."""
     jsonl = MetricsWriter(os.path.join(run_dir, "metrics.jsonl"))
-    return FanOut([jsonl, TensorBoardWriter(run_dir)]) if tensorboard else jsonl
+    return FanOut([jsonl, tensorboard]) if tensorboard is not None else jsonl
 
 
 class Progress:

@@ -29,6 +29,8 @@ from jaxddppo.outputs.writers import (
     MetricsSink,
     MetricsWriter,
     Progress,
+    TensorBoardWriter,
+    VideoSink,
     open_metrics_sink,
     truncate_metrics,
 )
@@ -107,7 +109,7 @@ class LoopOutputs:
     checkpointer: Checkpointer
     signals: StopSignals
     video_dir: Optional[str] = None  # process 0 of a run with eval.video_every_updates only
-    tracker: Optional[WandbTracker] = None  # process 0 of a run with wandb.mode on: the videos to it too
+    video_sinks: tuple[VideoSink, ...] = ()  # process 0: TensorBoard and W&B, those that are on: the videos too
 
 
 def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, sizes: Iterable[int],
@@ -131,7 +133,7 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
         first_update, update = counters.update, counters.update + size
         eval_start = time.perf_counter()
         evaluations = programs.evaluate_after(state, update, config.eval.every_updates, mesh)
-        write_videos(experiment, state, update, outputs.video_dir, outputs.tracker)
+        write_videos(experiment, state, update, outputs.video_dir, outputs.video_sinks)
         eval_seconds = time.perf_counter() - eval_start
         if outputs.writer is not None:
             outputs.writer.write(chunk_rows(experiment, per_member, first_update,
@@ -165,10 +167,10 @@ def train_chunks(experiment: Experiment, state: TrainState, programs: Programs, 
 
 
 def write_videos(experiment: Experiment, state: TrainState, update: int, video_dir: Optional[str],
-                 tracker: Optional[WandbTracker] = None) -> None:
+                 sinks: Sequence[VideoSink] = ()) -> None:
     """Every member's video of one deterministic episode after `update`, when it is on the
     eval.video_every_updates cadence, into `video_dir` (None: another process writes them) and
-    to `tracker`'s W&B runs. A collective in a multi-process run."""
+    to `sinks` (TensorBoard, W&B). A collective in a multi-process run."""
     every = experiment.config.eval.video_every_updates
     if not every or update % every:
         return
@@ -182,8 +184,9 @@ def write_videos(experiment: Experiment, state: TrainState, update: int, video_d
         name = f"update_{update}" + (f"_member_{member.index}" if experiment.is_sweep else "")
         path = os.path.join(video_dir, f"{name}.gif")
         video.write_video(path, frames)
-        if tracker is not None:
-            tracker.log_video(member.index, path, update * experiment.topology.env_steps_per_update)
+        for sink in sinks:
+            sink.log_video(member.index if experiment.is_sweep else None, path,
+                           update * experiment.topology.env_steps_per_update)
 
 
 def pbt_record(state: TrainState) -> Optional[pbt.PBTState]:
@@ -375,15 +378,17 @@ def _train(experiment: Experiment, session: Session, checkpointer: Checkpointer)
     jax.block_until_ready(state)
     compile_seconds = time.perf_counter() - compile_start
 
-    writer = open_metrics_sink(session.run_dir, config.run.tensorboard) if is_writer else None
+    tensorboard = TensorBoardWriter(session.run_dir) if is_writer and config.run.tensorboard else None
+    writer = open_metrics_sink(session.run_dir, tensorboard) if is_writer else None
     # The session closes its tracker, after the summary: only `writer` closes here.
     rows_to = writer if session.tracker is None else FanOut([writer, session.tracker])
+    video_sinks = tuple(sink for sink in (tensorboard, session.tracker) if sink is not None)
     pbt_writer = open_pbt_log(experiment, session.run_dir, state, counters.update)
     try:
         with StopSignals(session.progress.message) as signals:
             loop = train_chunks(experiment, state, programs, chunk_plan(*plan, config.pbt.every_updates), counters,
                                 LoopOutputs(rows_to, pbt_writer, session.progress, checkpointer, signals, video_dir,
-                                            session.tracker))
+                                            video_sinks))
     except NonFiniteError as error:
         checkpointer.wait()
         raise NonFiniteError(f"{error}; stopped without saving it; "
