@@ -258,14 +258,19 @@ class BenchError(RuntimeError):
 
 def jaxddppo_config(spec: Mapping[str, Any], run_dir: Path, exact_reductions: bool = True) -> dict[str, Any]:
     """The jaxddppo config of a benchmark spec: no checkpoints in between, no progress output.
-    train.exact_reductions is written only when false (a baseline checkout may predate it)."""
+    train.exact_reductions is written only when false (a baseline checkout may predate it), and
+    network.torso only where the spec names one (`anneal_lr` and `torso` are optional keys: the
+    learning benchmark's)."""
+    network = {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"]}
+    if "torso" in spec:
+        network["torso"] = spec["torso"]
     config = {
         "env": {"id": spec["env_id"], "num_envs": spec["num_envs"]},
-        "network": {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"]},
+        "network": network,
         "ppo": {
             "num_steps": spec["num_steps"], "num_epochs": spec["num_epochs"],
             "num_minibatches": spec["num_minibatches"], "learning_rate": spec["learning_rate"],
-            "anneal_lr": False, "gamma": spec["gamma"], "gae_lambda": spec["gae_lambda"],
+            "anneal_lr": spec.get("anneal_lr", False), "gamma": spec["gamma"], "gae_lambda": spec["gae_lambda"],
             "clip_eps": spec["clip_eps"], "vf_coef": spec["vf_coef"], "ent_coef": spec["ent_coef"],
             "max_grad_norm": spec["max_grad_norm"],
         },

@@ -32,6 +32,13 @@ anything compiled there after all. The return is the last evaluation's `eval/epi
 the mean return of `--eval-episodes` episodes of the task's full length, with the deterministic
 policy (the Gaussian's mean).
 
+With `--playground-settings` (benchmarks/learning.py) the task trains as Playground's notebooks train
+it instead: its own Brax PPO settings (`mujoco_playground.config.dm_control_suite_params.brax_ppo_config`,
+whose `num_timesteps` and `num_evals` the arguments replace), Brax's default networks and Playground's
+wrapper without the clip; the size and hyperparameter arguments are then not read, `--num-evals` may be
+as low as 2 and the steady-state fields are null where fewer than 3 training calls were made. Every
+report also records `process_seconds`, the process's age (benchmarks/process_clock.py).
+
 Writes one JSON object to `--out`: the settings, every report, and the fields
 benchmarks/playground_peers.py reads (env_steps, steady_env_steps, steady_seconds,
 eval_return, ...).
@@ -46,6 +53,8 @@ import math
 import sys
 import time
 from typing import Any, Optional, Sequence
+
+from process_clock import process_age_seconds
 
 # Brax 0.14.2 compiles its training program in each of its first two training calls.
 WARMUP_CALLS = 2
@@ -62,11 +71,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="One trial of Brax PPO on a MuJoCo Playground task "
                                      "(started by benchmarks/playground_peers.py).")
     parser.add_argument("--task", required=True, help="a Playground task, e.g. CartpoleBalance")
-    parser.add_argument("--num-envs", type=int, required=True)
-    parser.add_argument("--unroll-length", type=int, required=True, help="env steps per env per update")
-    parser.add_argument("--num-minibatches", type=int, required=True)
-    parser.add_argument("--epochs", type=int, required=True, help="Brax's num_updates_per_batch")
-    parser.add_argument("--hidden-sizes", type=hidden_sizes, required=True,
+    parser.add_argument("--num-envs", type=int)
+    parser.add_argument("--unroll-length", type=int, help="env steps per env per update")
+    parser.add_argument("--num-minibatches", type=int)
+    parser.add_argument("--epochs", type=int, help="Brax's num_updates_per_batch")
+    parser.add_argument("--hidden-sizes", type=hidden_sizes,
                         help="widths of the policy's and of the value network's hidden layers, e.g. 32,32")
     parser.add_argument("--activation", choices=("tanh", "silu", "relu"), default="tanh")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -86,6 +95,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         f"{WARMUP_CALLS})")
     parser.add_argument("--eval-episodes", type=int, default=128, help="Brax's num_eval_envs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--playground-settings", action="store_true",
+                        help="train with Playground's own Brax PPO settings of the task and Brax's default networks "
+                        "(the sizes and hyperparameters above are not read)")
     parser.add_argument("--out", required=True, help="where to write the result (JSON)")
     args = parser.parse_args(argv)
     problem = size_problem(args)
@@ -96,6 +108,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def size_problem(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with the sizes, in one line; None if nothing."""
+    if args.playground_settings:
+        return None if args.num_evals >= 2 else f"--num-evals={args.num_evals} must be at least 2"
+    missing = [name for name in ("num_envs", "unroll_length", "num_minibatches", "epochs", "hidden_sizes")
+               if getattr(args, name) is None]
+    if missing:
+        return "the following arguments are required: " + ", ".join("--" + name.replace("_", "-") for name in missing)
     if args.num_envs % args.num_minibatches:
         return f"--num-envs={args.num_envs} is not divisible by --num-minibatches={args.num_minibatches}"
     if args.num_evals < WARMUP_CALLS + 2:
@@ -122,6 +140,49 @@ def steady_state(reports: Sequence[dict[str, Any]]) -> tuple[int, float]:
         raise ValueError(f"{len(training)} training report(s); the steady state needs at least {WARMUP_CALLS + 1}")
     first, last = training[WARMUP_CALLS - 1], training[-1]
     return last["step"] - first["step"], last["training/walltime"] - first["training/walltime"]
+
+
+def playground_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Playground's own Brax PPO settings of the task, with this trial's budget, evaluations (deterministic, as
+    jaxddppo's) and seed."""
+    from mujoco_playground.config import dm_control_suite_params
+
+    settings = dm_control_suite_params.brax_ppo_config(args.task).to_dict()
+    return {**settings, "num_timesteps": args.total_env_steps, "num_evals": args.num_evals,
+            "num_eval_envs": args.eval_episodes, "deterministic_eval": True, "seed": args.seed}
+
+
+def matched_settings(args: argparse.Namespace, episode_length: int) -> dict[str, Any]:
+    """Brax PPO's settings from the arguments, set as jaxddppo's (benchmarks/playground_peers.py)."""
+    return {
+        "num_timesteps": args.total_env_steps, "num_envs": args.num_envs, "episode_length": episode_length,
+        "action_repeat": 1, "unroll_length": args.unroll_length, "num_minibatches": args.num_minibatches,
+        "batch_size": args.num_envs // args.num_minibatches, "num_updates_per_batch": args.epochs,
+        "learning_rate": args.learning_rate, "entropy_cost": args.entropy_cost, "discounting": args.discounting,
+        "gae_lambda": args.gae_lambda, "clipping_epsilon": args.clip_eps, "vf_loss_coefficient": args.vf_coef,
+        "max_grad_norm": args.max_grad_norm, "reward_scaling": args.reward_scaling,
+        "normalize_observations": args.normalize_observations, "normalize_advantage": True,
+        "num_evals": args.num_evals, "num_eval_envs": args.eval_episodes, "deterministic_eval": True,
+        "num_resets_per_eval": 0, "seed": args.seed,
+    }
+
+
+def steady_fields(reports: Sequence[dict[str, Any]]) -> dict[str, Optional[float]]:
+    """The steady state's env steps and seconds, the warm-up calls' extra seconds and the compile seconds
+    inside the steady state; None where the training calls are too few to have one."""
+    training = training_reports(reports)
+    if len(training) <= WARMUP_CALLS:
+        return dict.fromkeys(("steady_env_steps", "steady_seconds", "warmup_extra_seconds", "steady_compile_seconds"))
+    steady_steps, steady_seconds = steady_state(reports)
+    warmup = training[WARMUP_CALLS - 1]
+    return {
+        "steady_env_steps": steady_steps,
+        "steady_seconds": steady_seconds,
+        # The first WARMUP_CALLS calls' seconds beyond what the steady rate gives their steps: their compiles.
+        "warmup_extra_seconds": warmup["training/walltime"] - warmup["step"] * steady_seconds / steady_steps,
+        # XLA compiles after the warm-up calls (their evaluations included): 0 when nothing compiled again.
+        "steady_compile_seconds": sum(report["compile_seconds"] for report in training[WARMUP_CALLS:]),
+    }
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -179,39 +240,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def progress(step: int, metrics: dict[str, Any]) -> None:
         reports.append({"step": int(step), "time": time.perf_counter() - start,
-                        "compile_seconds": sum(compiles), **scalars(metrics)})
+                        "process_seconds": process_age_seconds(), "compile_seconds": sum(compiles),
+                        **scalars(metrics)})
         compiles.clear()
         print(f"step {step}: " + ", ".join(f"{name} {reports[-1][name]:.4g}" for name in
                                            ("training/sps", "eval/episode_reward") if name in reports[-1]),
               flush=True)
 
-    settings = {
-        "num_timesteps": args.total_env_steps, "num_envs": args.num_envs, "episode_length": episode_length,
-        "action_repeat": 1, "unroll_length": args.unroll_length, "num_minibatches": args.num_minibatches,
-        "batch_size": args.num_envs // args.num_minibatches, "num_updates_per_batch": args.epochs,
-        "learning_rate": args.learning_rate, "entropy_cost": args.entropy_cost, "discounting": args.discounting,
-        "gae_lambda": args.gae_lambda, "clipping_epsilon": args.clip_eps, "vf_loss_coefficient": args.vf_coef,
-        "max_grad_norm": args.max_grad_norm, "reward_scaling": args.reward_scaling,
-        "normalize_observations": args.normalize_observations, "normalize_advantage": True,
-        "num_evals": args.num_evals, "num_eval_envs": args.eval_episodes, "deterministic_eval": True,
-        "num_resets_per_eval": 0, "seed": args.seed,
-    }
-    _, _, final_metrics = ppo.train(environment=env, wrap_env_fn=wrap_for_training,
-                                    network_factory=network_factory, progress_fn=progress, **settings)
-    steady_steps, steady_seconds = steady_state(reports)
-    training = training_reports(reports)
-    warmup, last = training[WARMUP_CALLS - 1], reports[-1]
+    if args.playground_settings:  # as Playground's notebooks train: Brax's default networks, no clip
+        settings, wrap_env_fn, factory = playground_settings(args), wrapper.wrap_for_brax_training, {}
+    else:
+        settings, wrap_env_fn = matched_settings(args, episode_length), wrap_for_training
+        factory = {"network_factory": network_factory}
+    _, _, final_metrics = ppo.train(environment=env, wrap_env_fn=wrap_env_fn, progress_fn=progress, **factory,
+                                    **settings)
+    last = reports[-1]
+    if not args.playground_settings:
+        settings = {**settings, "hidden_sizes": list(args.hidden_sizes), "activation": args.activation}
     outcome = {
         "task": args.task,
-        "settings": {**settings, "hidden_sizes": list(args.hidden_sizes), "activation": args.activation},
+        "settings": settings,
         "env_steps": last["step"],
-        "steady_env_steps": steady_steps,
-        "steady_seconds": steady_seconds,
         "train_seconds": last["training/walltime"],
-        # The first WARMUP_CALLS calls' seconds beyond what the steady rate gives their steps: their compiles.
-        "warmup_extra_seconds": warmup["training/walltime"] - warmup["step"] * steady_seconds / steady_steps,
-        # XLA compiles after the warm-up calls (their evaluations included): 0 when nothing compiled again.
-        "steady_compile_seconds": sum(report["compile_seconds"] for report in training[WARMUP_CALLS:]),
+        **steady_fields(reports),
         "compile_seconds": sum(report["compile_seconds"] for report in reports),
         "eval_seconds": last["eval/walltime"],
         "wall_seconds": time.perf_counter() - start,

@@ -12,6 +12,13 @@ steady_seconds a second call of the compiled program. final_return is, for
 rejax, the mean return of 128 episodes of the final policy after the clock
 stops, and for PureJaxRL its own training metric: each environment's last
 finished episode at the end of training. Over seeds, the mean.
+
+    python benchmarks/peers.py purejaxrl --curve --spec JSON --seed S --out FILE --purejaxrl PATH
+
+is one trial of benchmarks/learning.py: PureJaxRL trains once from seed S (no
+second call), and the result adds its learning curve: the mean return of the
+episodes that ended in each update (from the metrics its train function
+returns) and the process's age when its one training call started.
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import gymnax_shim
+from process_clock import process_age_seconds
 
 EVAL_EPISODES = 128
 
@@ -42,9 +51,10 @@ class Timed:
     steady_seconds: float
 
 
-def time_training(train: Callable[[jax.Array], Any], seeds: int) -> Timed:
-    """Compile `train` (vmapped over `seeds` keys; a single key where 0), then call it twice."""
-    keys = jax.random.split(jax.random.key(0), max(seeds, 1))
+def time_training(train: Callable[[jax.Array], Any], seeds: int, seed: int = 0, steady: bool = True) -> Timed:
+    """Compile `train` (vmapped over `seeds` keys split from `seed`'s; a single key where 0), then
+    call it twice, or once without `steady` (steady_seconds is then 0)."""
+    keys = jax.random.split(jax.random.key(seed), max(seeds, 1))
     function, argument = (jax.vmap(train), keys) if seeds else (train, keys[0])
     start = time.perf_counter()
     compiled = jax.jit(function).lower(argument).compile()
@@ -52,6 +62,8 @@ def time_training(train: Callable[[jax.Array], Any], seeds: int) -> Timed:
     start = time.perf_counter()
     output = jax.block_until_ready(compiled(argument))
     train_seconds = time.perf_counter() - start
+    if not steady:
+        return Timed(output, compile_seconds, train_seconds, 0.0)
     start = time.perf_counter()
     jax.block_until_ready(compiled(argument))
     steady_seconds = time.perf_counter() - start
@@ -119,24 +131,58 @@ def purejaxrl_config(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "ENV_NAME": spec["env_id"], "NUM_ENVS": spec["num_envs"], "NUM_STEPS": spec["num_steps"],
         "TOTAL_TIMESTEPS": spec["total_env_steps"], "UPDATE_EPOCHS": spec["num_epochs"],
-        "NUM_MINIBATCHES": spec["num_minibatches"], "LR": spec["learning_rate"], "ANNEAL_LR": False,
+        "NUM_MINIBATCHES": spec["num_minibatches"], "LR": spec["learning_rate"],
+        "ANNEAL_LR": spec.get("anneal_lr", False),
         "GAMMA": spec["gamma"], "GAE_LAMBDA": spec["gae_lambda"], "CLIP_EPS": spec["clip_eps"],
         "VF_COEF": spec["vf_coef"], "ENT_COEF": spec["ent_coef"], "MAX_GRAD_NORM": spec["max_grad_norm"],
         "ACTIVATION": spec["activation"], "DEBUG": False,
     }
 
 
-def run_purejaxrl(spec: dict[str, Any], seeds: int, clone: Path) -> dict[str, Any]:
+def purejaxrl_ppo(clone: Path) -> Any:
+    """PureJaxRL's purejaxrl/ppo.py from `clone`, on gymnax 1.0."""
     gymnax_shim.prepare_purejaxrl()
     sys.path.insert(0, str(clone / "purejaxrl"))
-    import ppo  # PureJaxRL's purejaxrl/ppo.py
+    import ppo
 
-    timed = time_training(ppo.make_train(purejaxrl_config(spec)), seeds)
+    return ppo
+
+
+def run_purejaxrl(spec: dict[str, Any], seeds: int, clone: Path) -> dict[str, Any]:
+    timed = time_training(purejaxrl_ppo(clone).make_train(purejaxrl_config(spec)), seeds)
     # [seeds,] updates, steps, envs: each environment's last finished episode, at the last step.
     returns = timed.output["metrics"]["returned_episode_returns"][..., -1, -1, :]
     updates = spec["total_env_steps"] // (spec["num_envs"] * spec["num_steps"])  # PureJaxRL rounds down
     env_steps = updates * spec["num_envs"] * spec["num_steps"] * max(seeds, 1)
     return result(timed, env_steps, float(jnp.mean(returns)))
+
+
+def episode_return_means(returns: np.ndarray, ended: np.ndarray) -> list[Optional[float]]:
+    """Per update, the mean return of the episodes that ended in it (None where none did), from
+    PureJaxRL's LogWrapper metrics [updates, steps, envs]: `returned_episode_returns` and
+    `returned_episode`. jaxddppo's metrics.jsonl `episode_return_mean` is the same statistic."""
+    ended = ended.astype(np.float64)
+    counts = ended.sum(axis=(1, 2))
+    sums = (returns.astype(np.float64) * ended).sum(axis=(1, 2))
+    return [float(total / count) if count else None for total, count in zip(sums, counts)]
+
+
+def run_purejaxrl_curve(spec: dict[str, Any], seed: int, clone: Path) -> dict[str, Any]:
+    """One training run of PureJaxRL from `seed`, with its curve (benchmarks/learning.py)."""
+    timed = time_training(purejaxrl_ppo(clone).make_train(purejaxrl_config(spec)), 0, seed=seed, steady=False)
+    call_start_seconds = process_age_seconds() - timed.train_seconds
+    metrics = timed.output["metrics"]
+    returns = episode_return_means(np.asarray(metrics["returned_episode_returns"]),
+                                   np.asarray(metrics["returned_episode"]))
+    steps_per_update = spec["num_envs"] * spec["num_steps"]
+    return {
+        "env_steps": len(returns) * steps_per_update,
+        "update_env_steps": [(index + 1) * steps_per_update for index in range(len(returns))],
+        "update_returns": returns,
+        "compile_seconds": timed.compile_seconds,
+        "train_seconds": timed.train_seconds,
+        "call_start_seconds": call_start_seconds,
+    }
 
 
 def main() -> None:
@@ -146,9 +192,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=0, help="0: one run; N >= 1: vmapped over N seeds")
     parser.add_argument("--out", required=True, help="where to write the result (JSON)")
     parser.add_argument("--purejaxrl", type=Path, help="a clone of PureJaxRL's repository")
+    parser.add_argument("--curve", action="store_true",
+                        help="PureJaxRL: one run from --seed with its learning curve (benchmarks/learning.py)")
+    parser.add_argument("--seed", type=int, default=0, help="with --curve: the run's seed (default 0)")
     args = parser.parse_args()
+    if args.curve and args.peer != "purejaxrl":
+        parser.error("--curve runs PureJaxRL only")
     spec = json.loads(args.spec)
-    if args.peer == "rejax":
+    if args.curve:
+        outcome = run_purejaxrl_curve(spec, args.seed, args.purejaxrl)
+    elif args.peer == "rejax":
         outcome = run_rejax(spec, args.seeds)
     else:
         outcome = run_purejaxrl(spec, args.seeds, args.purejaxrl)

@@ -1,0 +1,245 @@
+"""benchmarks/learning.py: curves from each trainer's raw outputs, medians, ranges and "time to reach" on
+hand-made curves, the suites' settings, and the figure and table of a tiny real run (PureJaxRL's side
+only with PUREJAXRL set to a clone of it and distrax installed)."""
+
+import importlib.util
+import json
+import os
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO_ROOT
+
+from jaxddppo.config.files import from_dict, load_config
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import brax_peer  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import learning  # noqa: E402
+import peers  # noqa: E402
+
+Curve = learning.Curve
+
+
+def test_updates_of_a_call_spread_evenly_over_it():
+    # Call 1 ends at 10 s after 4 s of work: its 2 updates at 8 and 10; call 2 ends at 16 after 6: 12, 14, 16.
+    assert learning.spread_over_calls([10.0, 16.0], [4.0, 6.0], [2, 3]) == [8.0, 10.0, 12.0, 14.0, 16.0]
+
+
+def test_a_band_is_the_median_and_range_from_where_every_seed_has_begun_to_the_last_end():
+    curves = [Curve([0, 10], [0, 10], [0.0, 10.0]),  # y = x
+              Curve([0, 10], [0, 10], [2.0, 2.0]),  # y = 2
+              Curve([2, 12], [2, 12], [4.0, 14.0])]  # y = x + 2
+    drawn = learning.band(curves, "env_steps", points=3)
+    np.testing.assert_array_equal(drawn.x, [2, 7, 12])  # from 2, where the third begins, to 12, its end
+    # At 2: (2, 2, 4); at 7: (7, 2, 9); at 12: (10, 2, 14), the first two keeping their last returns.
+    np.testing.assert_array_equal(drawn.median, [2, 7, 10])
+    np.testing.assert_array_equal(drawn.low, [2, 2, 2])
+    np.testing.assert_array_equal(drawn.high, [4, 9, 14])
+    # Seeds whose seconds do not overlap: the first has ended (at 4.0) when the second begins.
+    apart = learning.band([Curve([0, 1], [1, 3], [0.0, 4.0]), Curve([0, 1], [5, 6], [0.0, 1.0])], "seconds", 2)
+    np.testing.assert_array_equal(apart.x, [5, 6])
+    np.testing.assert_array_equal(apart.median, [2.0, 2.5])
+    assert learning.band([Curve([], [], [])], "seconds").x.size == 0  # no point at all
+
+
+def test_first_reach_is_the_first_point_at_or_above_the_target():
+    x, y = np.array([0.0, 1.0, 2.0, 3.0]), np.array([0.0, 5.0, 3.0, 7.0])
+    assert learning.first_reach(x, y, 5.0) == 1.0
+    assert learning.first_reach(x, y, 6.0) == 3.0
+    assert learning.first_reach(x, y, 7.5) is None
+
+
+def test_jaxddppo_curves_spread_each_chunk_over_its_training_seconds():
+    rows = [{"update": 1, "env_steps": 100, "wall_seconds": 4.0, "episode_return_mean": 1.0, "eval_return_mean": None,
+             "seen_seconds": 10.0},
+            {"update": 2, "env_steps": 200, "wall_seconds": 4.0, "episode_return_mean": None, "eval_return_mean": 5.0,
+             "seen_seconds": 10.1},
+            {"update": 3, "env_steps": 300, "wall_seconds": 7.0, "episode_return_mean": 3.0, "eval_return_mean": 6.0,
+             "seen_seconds": 14.0}]
+    # Chunk 1 (updates 1-2) trained 4 s and appeared at 10.1: updates at 8.1 and 10.1; chunk 2 trained 3 s.
+    training = learning.jaxddppo_curve({"rows": rows}, "training")
+    assert training == Curve([100, 300], [pytest.approx(8.1), 14.0], [1.0, 3.0])  # update 2 ended no episode
+    assert learning.jaxddppo_curve({"rows": rows}, "evaluation") == Curve([200, 300], [10.1, 14.0], [5.0, 6.0])
+
+
+def test_purejaxrl_curve_places_its_updates_at_a_constant_rate_after_compiling():
+    outputs = {"update_env_steps": [8, 16, 24], "update_returns": [None, 2.0, 4.0], "call_start_seconds": 5.0,
+               "train_seconds": 3.0}
+    assert learning.purejaxrl_curve(outputs) == Curve([16, 24], [7.0, 8.0], [2.0, 4.0])
+
+
+def test_brax_curve_is_its_evaluations_after_training_calls():
+    outputs = {"reports": [{"step": 0, "process_seconds": 50.0, "eval/episode_reward": 1.0},
+                           {"step": 10, "process_seconds": 90.0, "eval/episode_reward": 7.0}]}
+    assert learning.brax_curve(outputs) == Curve([10], [90.0], [7.0])
+
+
+def test_purejaxrl_episode_returns_are_the_mean_of_the_episodes_ended_in_each_update():
+    # [updates=2, steps=2, envs=2]: update 0 ends episodes of 3 and 5; update 1 none.
+    returns = np.array([[[3.0, 9.0], [1.0, 5.0]], [[5.0, 5.0], [5.0, 5.0]]])
+    ended = np.array([[[True, False], [False, True]], [[False, False], [False, False]]])
+    assert peers.episode_return_means(returns, ended) == [4.0, None]
+
+
+def test_final_returns():
+    curve = Curve(list(range(20)), list(range(20)), [float(value) for value in range(20)])
+    assert learning.final_return(curve, "training") == np.mean(range(4, 20))  # the last 16 updates
+    assert learning.final_return(curve, "evaluation") == 19.0
+
+
+def test_the_minatar_suite_has_purejaxrls_settings_and_experiments_minatar_yaml_is_them():
+    chosen = learning.suite("minatar")
+    assert list(chosen.specs) == ["Breakout-MinAtar", "Asterix-MinAtar", "Freeway-MinAtar", "SpaceInvaders-MinAtar"]
+    assert chosen.seeds == 3 and chosen.reference == "purejaxrl"
+    spec = chosen.specs["Breakout-MinAtar"]
+    assert spec["total_env_steps"] == 1220 * 64 * 128  # 1e7 rounded down to whole updates, as PureJaxRL does
+    written = from_dict(learning.jaxddppo_config("minatar", spec, 1, Path("run")))
+    experiment = load_config(str(REPO_ROOT / "experiments" / "minatar.yaml"))
+    assert (written.env, written.network, written.ppo) == (experiment.env, experiment.network, experiment.ppo)
+    assert written.train.seed == 1 and written.run.compilation_cache == "off"
+    assert experiment.train.total_env_steps == 10_000_000
+    pure = peers.purejaxrl_config(learning.purejaxrl_spec(spec))
+    assert (pure["NUM_ENVS"], pure["NUM_STEPS"], pure["UPDATE_EPOCHS"], pure["NUM_MINIBATCHES"]) == (64, 128, 4, 8)
+    assert (pure["LR"], pure["ANNEAL_LR"], pure["ACTIVATION"]) == (5e-3, True, "relu")
+    assert learning.suite("minatar", ["Freeway-MinAtar"], 2, 200_000).specs["Freeway-MinAtar"]["total_env_steps"] == \
+        24 * 64 * 128
+
+
+def test_playground_budgets_split_into_brax_evaluation_intervals():
+    per_update = 2048 * 480
+    defaults = learning.suite("playground")
+    assert list(defaults.specs) == ["CartpoleBalance", "CheetahRun", "WalkerWalk"] and defaults.seeds == 2
+    assert {(spec["total_env_steps"], spec["num_evals"]) for spec in defaults.specs.values()} == {(per_update, 2)}
+    spec = learning.playground_spec("CheetahRun", 9 * per_update)
+    assert (spec["num_steps"], spec["num_evals"], spec["eval_every_updates"]) == (480, 10, 1)
+    assert learning.playground_spec("CheetahRun", 18 * per_update)["eval_every_updates"] == 2
+    small = learning.playground_spec("CheetahRun", 1)  # one update, one evaluation after it
+    assert (small["total_env_steps"], small["num_evals"], small["eval_every_updates"]) == (per_update, 2, 1)
+    three = learning.playground_spec("WalkerWalk", 2 * per_update + 1)
+    assert (three["total_env_steps"], three["num_evals"]) == (3 * per_update, 4)
+
+    config = learning.jaxddppo_config("playground", spec, 1, Path("run"))
+    assert config["env"]["id"] == "playground:CheetahRun"
+    # jaxddppo accepts every key and value (validated on a core environment: no playground needed).
+    validated = from_dict({**config, "env": {**config["env"], "id": "Pendulum-v1"}})
+    assert (validated.env.num_envs, validated.ppo.num_steps, validated.ppo.num_minibatches,
+            validated.ppo.num_epochs) == (2048, 480, 32, 16)
+    assert validated.eval.every_updates == validated.train.updates_per_chunk == 1
+    assert (validated.ppo.clip_eps, validated.ppo.ent_coef, validated.ppo.gamma) == (0.3, 0.01, 0.995)
+
+    out = Path("result.json")
+    brax = brax_peer.parse_args(learning.reference_arguments("playground", spec, 1, out, None)[1:])
+    assert brax.playground_settings and brax.task == "CheetahRun" and brax.seed == 1
+    assert (brax.total_env_steps, brax.num_evals, brax.eval_episodes) == (9 * per_update, 10, 128)
+
+
+def test_arguments_are_checked(tmp_path, capsys):
+    for arguments, message in ((["--out", "x"], "give --suite NAME to train, or --report RECORD"),
+                               (["--suite", "minatar", "--out", "x"], "needs --purejaxrl PATH"),
+                               (["--suite", "playground", "--tasks", "Pong", "--out", "x"], "--tasks=Pong is not"),
+                               (["--suite", "playground", "--seeds", "0", "--out", "x"], "--seeds=0 must be"),
+                               (["--suite", "playground", "--purejaxrl", "p", "--out", "x"], "read only by"),
+                               (["--report", str(tmp_path / "none.json"), "--out", "x"], "is not a file")):
+        with pytest.raises(SystemExit) as exit_info:
+            learning.parse_args(arguments)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a tiny real run
+
+# CartPole in a few seconds a trial: 8 updates of 8 envs x 32 steps.
+TINY = {**learning.MINATAR_SETTINGS, "env_id": "CartPole-v1", "num_envs": 8, "num_steps": 32, "num_epochs": 2,
+        "num_minibatches": 2, "activation": "tanh", "learning_rate": 2.5e-3, "total_env_steps": 8 * 8 * 32}
+PUREJAXRL = os.environ.get("PUREJAXRL")
+WITH_PUREJAXRL = bool(PUREJAXRL) and importlib.util.find_spec("distrax") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_record(tmp_path_factory):
+    """A record of 2 seeds of the tiny config: jaxddppo, and PureJaxRL where it can run."""
+    chosen = learning.Suite("minatar", {"CartPole-v1": TINY}, seeds=2, curve="training")
+    purejaxrl = Path(PUREJAXRL) if WITH_PUREJAXRL else None
+    trainers = ("jaxddppo", "purejaxrl") if WITH_PUREJAXRL else ("jaxddppo",)
+    trials = learning.measure(chosen, lambda trainer, task, seed: learning.run_trial(
+        trainer, "minatar", TINY, seed, purejaxrl, timeout=300), trainers)
+    record = learning.build_record(chosen, trials, "test", purejaxrl, {"cpu_model": None, "cpu_vector_isa": []})
+    path = tmp_path_factory.mktemp("learning") / "minatar.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def check_png(path: Path, width: int, height: int) -> None:
+    from PIL import Image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (width, height)
+    with Image.open(path) as image:
+        image.load()
+
+
+def table_numbers(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_a_tiny_run_records_curves_and_the_report_shows_their_medians(tiny_record, tmp_path, capsys):
+    record = json.loads(tiny_record.read_text())
+    ours = [trial for trial in record["trials"] if trial["trainer"] == "jaxddppo"]
+    assert [trial["seed"] for trial in ours] == [0, 1]
+    for trial in ours:
+        curve = trial["curve"]
+        assert curve["env_steps"] == sorted(curve["env_steps"]) and curve["env_steps"][-1] == 8 * 8 * 32
+        assert 0 < trial["compile_seconds"] < curve["seconds"][0] < curve["seconds"][-1] < trial["wall_seconds"]
+        assert trial["config"]["train"]["seed"] == trial["seed"] and trial["eval_return"] is not None
+        assert len(trial["outputs"]["rows"]) == 8
+
+    assert learning.main(["--report", str(tiny_record), "--out", str(tmp_path)]) == 0
+    check_png(tmp_path / "minatar.png", 450, 700)
+    assert learning.draw_figure(record, tmp_path / "again.png") == [
+        "CartPole-v1, by env steps", "CartPole-v1, by seconds"]
+    lines = (tmp_path / "minatar.md").read_text().splitlines()
+    assert len(lines) == 3 and capsys.readouterr().out.startswith(lines[0])
+    cells = table_numbers(lines[2])
+    finals = sorted(trial["final_return"] for trial in ours)
+    assert cells[1] == f"{np.median(finals):,.1f} ({finals[0]:,.1f}-{finals[1]:,.1f})"
+    evaluations = sorted(trial["eval_return"] for trial in ours)
+    assert cells[3] == f"{np.median(evaluations):,.1f} ({evaluations[0]:,.1f}-{evaluations[1]:,.1f})"
+    assert cells[5] == f"{np.median([trial['compile_seconds'] for trial in ours]):,.1f}"
+    if not WITH_PUREJAXRL:
+        assert cells[2] == cells[4] == cells[6] == "-" and cells[9:] == ["-", "-"]
+
+
+@pytest.mark.skipif(not WITH_PUREJAXRL, reason="set PUREJAXRL to a clone of PureJaxRL, with distrax installed")
+def test_purejaxrl_trials_alternate_with_jaxddppos_and_the_table_compares_them(tiny_record):
+    record = json.loads(tiny_record.read_text())
+    assert [(trial["trainer"], trial["seed"]) for trial in record["trials"]] == [
+        ("jaxddppo", 0), ("purejaxrl", 0), ("jaxddppo", 1), ("purejaxrl", 1)]
+    theirs = [trial for trial in record["trials"] if trial["trainer"] == "purejaxrl"]
+    for trial in theirs:
+        assert trial["curve"]["env_steps"][-1] == 8 * 8 * 32 and trial["eval_return"] is None
+        assert trial["compile_seconds"] < trial["curve"]["seconds"][0] < trial["wall_seconds"]
+    (row,) = learning.summary_rows(record)
+    finals = [trial["final_return"] for trial in theirs]
+    assert row["purejaxrl_final_return"] == np.median(finals) and row["purejaxrl_final_return_range"] == sorted(finals)
+    cells = table_numbers(learning.format_table(record).splitlines()[2])
+    assert cells[2] == f"{np.median(finals):,.1f} ({min(finals):,.1f}-{max(finals):,.1f})"
+    ours = learning.band(learning.curves_of(record, "CartPole-v1", "jaxddppo"), "seconds")
+    expected = learning.first_reach(ours.x, ours.median, np.median(finals))
+    assert cells[10] == ("not reached" if expected is None else f"{expected:,.0f}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mujoco_playground") is None, reason="needs playground (its extra)")
+def test_the_playground_settings_are_playgrounds_own():
+    from mujoco_playground.config import dm_control_suite_params
+
+    ours = learning.PLAYGROUND_SETTINGS
+    for task in learning.PLAYGROUND_TASKS:
+        own = dm_control_suite_params.brax_ppo_config(task)
+        assert (own.num_envs, own.unroll_length, own.batch_size, own.num_minibatches, own.num_updates_per_batch,
+                own.learning_rate, own.entropy_cost, own.discounting, own.reward_scaling, own.num_evals,
+                own.normalize_observations) == (
+            ours["num_envs"], ours["unroll_length"], ours["batch_size"], ours["num_minibatches"], ours["num_epochs"],
+            ours["learning_rate"], ours["ent_coef"], ours["gamma"], ours["reward_scaling"], ours["num_evals"],
+            ours["normalize_observations"])
