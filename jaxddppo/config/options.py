@@ -161,8 +161,8 @@ class EvalConfig:
     )
     video_every_updates: int = _opt(
         0, "every this many updates, draw one episode of the deterministic policy into RUN_DIR/videos/"
-        "update_<N>.gif (a sweep: update_<N>_member_<M>.gif), for environments that can draw themselves "
-        "and to TensorBoard and W&B when those are on (0: off); a multiple of train.updates_per_chunk"
+        "update_<N>.gif (a sweep: update_<N>_member_<M>.gif), for environments that can draw themselves, "
+        "and into TensorBoard and W&B when those are on (0: off); a multiple of train.updates_per_chunk"
     )
 
 
