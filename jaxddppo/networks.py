@@ -130,10 +130,8 @@ def orthogonal(scale: float = 1.0) -> Callable[..., jax.Array]:
     return init
 
 
-def _dense(features: int, scale: float, dot_general: Optional[Callable]) -> nn.Dense:
-    """A Dense layer whose product is `dot_general` (None: `lax.dot_general`)."""
-    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros,
-                    dot_general=dot_general)
+def _dense(features: int, scale: float) -> nn.Dense:
+    return nn.Dense(features, kernel_init=orthogonal(scale), bias_init=nn.initializers.zeros)
 
 
 @struct.dataclass
@@ -161,7 +159,6 @@ class Torso(nn.Module):
     hidden_sizes: Sequence[int]
     activation: str
     cnn_channels: Sequence[int] = ()
-    dot_general: Optional[Callable] = None  # the Dense layers' product (`make_actor_critic`)
 
     @nn.compact
     def __call__(self, inputs: TorsoInputs) -> jax.Array:
@@ -169,7 +166,7 @@ class Torso(nn.Module):
         images = [_convolve(image, self.cnn_channels, act) for image in inputs.images]
         x = jnp.concatenate(images + list(inputs.vectors), axis=-1)
         for width in self.hidden_sizes:
-            x = act(_dense(width, math.sqrt(2.0), self.dot_general)(x))
+            x = act(_dense(width, math.sqrt(2.0))(x))
         return x
 
 
@@ -191,7 +188,6 @@ class ActorCriticModule(nn.Module):
     discrete: bool
     num_actions: int
     init_log_std: float
-    dot_general: Optional[Callable]
     # A user's torso (`network.torso=module:attribute`), unbound, cloned for each use; its inputs are
     # the observations (without the action mask), whose first leaf has this rank per environment.
     custom_torso: Optional[nn.Module]
@@ -200,15 +196,15 @@ class ActorCriticModule(nn.Module):
     def torso_features(self, name: str, inputs: Any) -> jax.Array:
         """The features of the torso called `name` (call inside the compact method)."""
         if self.custom_torso is None:
-            return Torso(self.hidden_sizes, self.activation, self.cnn_channels, self.dot_general, name=name)(inputs)
+            return Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(inputs)
         return _flat_batch_features(self.custom_torso.clone(parent=self, name=name), inputs, self.observation_rank)
 
     @nn.compact
     def __call__(self, inputs: TorsoInputs) -> tuple[Distribution, jax.Array]:
         actor_features = self.torso_features("torso" if self.shared_torso else "actor_torso", inputs)
         critic_features = actor_features if self.shared_torso else self.torso_features("critic_torso", inputs)
-        value = _dense(1, 1.0, self.dot_general)(critic_features)[..., 0]
-        head = _dense(self.num_actions, 0.01, self.dot_general)(actor_features)
+        value = _dense(1, 1.0)(critic_features)[..., 0]
+        head = _dense(self.num_actions, 0.01)(actor_features)
         if self.discrete:
             return Categorical(head), value
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
@@ -247,8 +243,8 @@ class RecurrentActorCriticModule(ActorCriticModule):
             new_carry.append(core_carry)
             features.append(out)
         actor_features, critic_features = features[0], features[-1]
-        value = _dense(1, 1.0, self.dot_general)(critic_features)[..., 0]
-        head = _dense(self.num_actions, 0.01, self.dot_general)(actor_features)
+        value = _dense(1, 1.0)(critic_features)[..., 0]
+        head = _dense(self.num_actions, 0.01)(actor_features)
         if self.discrete:
             return tuple(new_carry), Categorical(head), value
         log_std = self.param("log_std", nn.initializers.constant(self.init_log_std), (self.num_actions,))
@@ -401,12 +397,9 @@ def make_user_torso(config: NetworkConfig, layout: ObservationLayout, given: Any
     return torso
 
 
-def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dot_general: Optional[Callable] = None,
-                      torso: Any = None) -> ActorCritic:
-    """The actor-critic `config` describes for `spec`'s observations and actions. `dot_general`:
-    the built-in Dense layers' product (None: `lax.dot_general`; the CPU switch passes
-    `cpu_tuning.dense_dot_general`). `torso`: the object given to the Python API in place of
-    `network.torso`'s reference, if any."""
+def make_actor_critic(config: NetworkConfig, spec: EnvSpec, torso: Any = None) -> ActorCritic:
+    """The actor-critic `config` describes for `spec`'s observations and actions. `torso`: the
+    object given to the Python API in place of `network.torso`'s reference, if any."""
     custom = torso is not None or is_reference(config.torso)
     layout = observation_layout(config, spec, custom_torso=custom)
     custom_torso = make_user_torso(config, layout, torso) if custom else None
@@ -418,7 +411,6 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec, dot_general: Optiona
         "discrete": spec.discrete,
         "num_actions": spec.num_actions,
         "init_log_std": config.init_log_std,
-        "dot_general": dot_general,
         "custom_torso": custom_torso,
         "observation_rank": len(jax.tree.leaves(layout.features)[0].shape),
     }

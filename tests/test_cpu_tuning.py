@@ -22,7 +22,6 @@ from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.cpu.tuning import (
     compiler_options,
     cpu_devices_for_run,
-    dense_dot_general,
     is_on,
     resolve,
     sort_permutations,
@@ -169,84 +168,6 @@ def test_training_with_cpu_tuning_learns_the_same_bits_on_one_and_two_devices(tm
     one, two = train(1), train(2)
     assert np.isfinite(one["params_digest"])
     assert two["params_digest"] == one["params_digest"]
-
-
-DENSE_DIMENSIONS = (((2,), (0,)), ((), ()))  # what flax.linen.Dense asks of [3, 5, 7] inputs
-
-
-def dense_case(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Inputs [3, 5, 7], a kernel [7, 4] and an output cotangent [3, 5, 4]."""
-    keys = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(keys[0], (3, 5, 7)), jax.random.normal(keys[1], (7, 4)),
-            jax.random.normal(keys[2], (3, 5, 4)))
-
-
-def test_dense_dot_general_has_dense_forward_pass_and_numpy_gradients():
-    inputs, kernel, cotangent = dense_case()
-    np.testing.assert_array_equal(dense_dot_general(inputs, kernel, DENSE_DIMENSIONS),
-                                  jax.lax.dot_general(inputs, kernel, DENSE_DIMENSIONS))
-
-    def loss(product, inputs, kernel):
-        return jnp.sum(product(inputs, kernel, DENSE_DIMENSIONS) * cotangent)
-
-    inputs_grad, kernel_grad = jax.grad(loss, argnums=(1, 2))(dense_dot_general, inputs, kernel)
-    x, w, g = (np.asarray(a, np.float64) for a in (inputs, kernel, cotangent))
-    np.testing.assert_allclose(kernel_grad, x.reshape(-1, 7).T @ g.reshape(-1, 4), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(inputs_grad, g @ w.T, rtol=1e-5, atol=1e-5)
-    autodiff = jax.grad(loss, argnums=(1, 2))(jax.lax.dot_general, inputs, kernel)
-    np.testing.assert_allclose(kernel_grad, autodiff[1], rtol=1e-6, atol=1e-6)
-    np.testing.assert_array_equal(inputs_grad, autodiff[0])
-
-
-def test_dense_dot_general_gradients_under_vmap_are_each_members():
-    """A sweep's members (vmapped) get the gradients each would get alone."""
-    cases = [dense_case(seed) for seed in range(2)]
-    stacked = [jnp.stack(arrays) for arrays in zip(*cases)]
-
-    def kernel_grad(inputs, kernel, cotangent):
-        return jax.grad(lambda k: jnp.sum(dense_dot_general(inputs, k, DENSE_DIMENSIONS) * cotangent))(kernel)
-
-    batched = jax.vmap(kernel_grad)(*stacked)
-    for member, case in enumerate(cases):
-        np.testing.assert_allclose(batched[member], kernel_grad(*case), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("dimensions, options", [
-    ((((0,), (0,)), ((), ())), {}),
-    (DENSE_DIMENSIONS, {"precision": jax.lax.Precision.HIGHEST}),
-])
-def test_dense_dot_general_refuses_other_products(dimensions, options):
-    inputs, kernel, _ = dense_case()
-    with pytest.raises(ValueError, match="dense_dot_general takes"):
-        dense_dot_general(inputs, kernel, dimensions, **options)
-
-
-def test_the_switchs_dense_gradient_changes_gradients_only_in_the_last_bits():
-    """Dense kernel gradients from transposed inputs (run.cpu_tuning on): the same parameters and
-    outputs, gradients within float32 rounding of autodiff's."""
-    from jaxddppo.config.options import NetworkConfig
-    from jaxddppo.envs import make_env
-    from jaxddppo.networks import make_actor_critic
-
-    spec = make_env("CartPole-v1").spec
-    obs = jax.random.normal(jax.random.key(1), (32, *spec.observation.shape))
-    networks = [make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), spec, dot_general)
-                for dot_general in (None, dense_dot_general)]
-    params = [network.init(jax.random.key(0), obs) for network in networks]
-    for got, want in zip(jax.tree.leaves(params[1]), jax.tree.leaves(params[0]), strict=True):
-        np.testing.assert_array_equal(got, want)
-
-    def loss(network, params):
-        dist, value = network.apply(params, obs)
-        return jnp.sum(dist.log_prob(jnp.arange(32) % 2)) + jnp.sum(jnp.square(value))
-
-    np.testing.assert_array_equal(loss(networks[1], params[0]), loss(networks[0], params[0]))
-    grads = [jax.grad(loss, argnums=1)(network, params[0]) for network in networks]
-    barriers = [str(jax.make_jaxpr(jax.grad(loss, argnums=1), static_argnums=0)(network, params[0])).count(
-        "optimization_barrier") for network in networks]
-    assert barriers == [0, 3 * 2]  # one per Dense layer: two hidden per torso, a value and a policy head
-    for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0]), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 # 256 CartPoles x 16 steps, 4 minibatches: 128 environments per device on 2.

@@ -18,12 +18,9 @@ other random orders (the rest changes the last bits only); the algorithm is the 
   elementwise fusions (a multiply-reduce among them) to the YNNPACK library by default,
   at which MJX's physics steps at half its rate; the options keep YNNPACK to single dots,
   where the learner gains from it.
-- `dense_dot_general` gives each Dense layer the same product, whose kernel gradient
-  multiplies the layer's inputs transposed into a matrix of their own (an optimisation
-  barrier keeps XLA from folding the transpose back into the product), a layout XLA's CPU
-  backend multiplies faster than the one autodiff leaves it.
 
-Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the train and
+Transposing each Dense layer's inputs for its kernel gradient, once a third technique,
+was dropped when it measured slower (docs/benchmarks.md, CPU tuning). Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the train and
 sweep commands' default of one device per core) and XLA's thread pool (`run.cpu_threads`) are
 set here too, before JAX starts its backend. Importing this module changes nothing in JAX.
 """
@@ -36,7 +33,7 @@ import math
 import os
 import pkgutil
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import jax
 import jax.experimental
@@ -111,64 +108,6 @@ def sort_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Arra
             sorted_positions = (packed & np.uint64(0xFFFFFFFF)).astype(jnp.int32)
         order = jnp.take_along_axis(order, sorted_positions, axis=-1)
     return order
-
-
-def network_dot_general(config: Config) -> Optional[Callable]:
-    """The built-in Dense layers' product for a resolved config: `dense_dot_general` with the
-    CPU techniques on, else None (`lax.dot_general`)."""
-    return dense_dot_general if is_on(config) else None
-
-
-def dense_dot_general(
-    inputs: jax.Array,
-    kernel: jax.Array,
-    dimension_numbers: Any,
-    precision: Any = None,
-    preferred_element_type: Optional[Any] = None,
-) -> jax.Array:
-    """`jax.lax.dot_general` as `flax.linen.Dense` calls it (the inputs' last axis against a
-    [in, out] kernel's first), with the same forward pass and a kernel gradient
-    `barrier(inputs reshaped to [N, in]).T @ output gradient reshaped to [N, out]`."""
-    expected = _dense_dimension_numbers(inputs.ndim)
-    if kernel.ndim != 2 or jax.tree.map(int, dimension_numbers) != expected:
-        raise ValueError(f"dense_dot_general takes a Dense layer's product {expected} with a 2-D kernel, got "
-                         f"{dimension_numbers} with kernel shape {kernel.shape}")
-    if precision is not None or preferred_element_type is not None:
-        raise ValueError("dense_dot_general takes the default precision and element type, got "
-                         f"precision={precision}, preferred_element_type={preferred_element_type}")
-    return _dense_product(inputs, kernel)
-
-
-def _dense_dimension_numbers(inputs_ndim: int) -> tuple:
-    """Dense's product: the inputs' last axis against the kernel's first, no batch axes."""
-    return (((inputs_ndim - 1,), (0,)), ((), ()))
-
-
-def _forward_product(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(inputs, kernel, _dense_dimension_numbers(inputs.ndim))
-
-
-@jax.custom_vjp
-def _dense_product(inputs: jax.Array, kernel: jax.Array) -> jax.Array:
-    return _forward_product(inputs, kernel)
-
-
-def _dense_product_forward(inputs: jax.Array, kernel: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _forward_product(inputs, kernel), (inputs, kernel)
-
-
-def _dense_product_backward(
-    residuals: tuple[jax.Array, jax.Array], output_grad: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    inputs, kernel = residuals
-    inputs_grad = jax.lax.dot_general(output_grad, kernel, (((output_grad.ndim - 1,), (1,)), ((), ())))
-    inputs_matrix_transposed = jax.lax.optimization_barrier(inputs.reshape(-1, inputs.shape[-1]).T)
-    kernel_grad = inputs_matrix_transposed @ output_grad.reshape(-1, output_grad.shape[-1])
-    return inputs_grad, kernel_grad
-
-
-_dense_product.defvjp(_dense_product_forward, _dense_product_backward)
-
 
 
 def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:

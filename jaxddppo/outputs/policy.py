@@ -24,7 +24,6 @@ import jax
 from jaxddppo import sharding
 from jaxddppo.config.files import SWEEP_SPEC_FILE, load_resume_config
 from jaxddppo.config.options import Config, ConfigError
-from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import BatchedEnv, EnvSpec, make_env
 from jaxddppo.networks import ActorCritic, make_actor_critic
@@ -138,11 +137,10 @@ def load_policy(run_dir: str, step: Optional[int] = None,
     if os.path.exists(os.path.join(run_dir, SWEEP_SPEC_FILE)):
         raise ConfigError(f"{run_dir} is a sweep's run directory ({SWEEP_SPEC_FILE}), not a single run's")
     config, objects = with_objects(load_resume_config(run_dir), env, torso)
-    config = cpu_tuning.resolve(config, jax.local_devices()[0].platform)
     spec = read_env_spec(run_dir)
     if spec is None:
         spec = make_env(config.env.id, kwargs=config.env.kwargs, given=objects.env).spec
-    network = make_actor_critic(config.network, spec, cpu_tuning.network_dot_general(config), objects.torso)
+    network = make_actor_critic(config.network, spec, objects.torso)
     checkpointer = Checkpointer(run_dir, read_only=True)
     try:
         if step is None:

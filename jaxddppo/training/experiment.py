@@ -269,7 +269,7 @@ def assemble(config: Config, members: Sequence[Member], mesh: jax.sharding.Mesh,
         topology=topology,
         mesh=mesh,
         env=env,
-        network=make_actor_critic(config.network, env.spec, cpu_tuning.network_dot_general(config), objects.torso),
+        network=make_actor_critic(config.network, env.spec, objects.torso),
         settings=update_settings(config, topology),
         pbt=pbt_settings,
     )
