@@ -20,9 +20,10 @@ other random orders (the rest changes the last bits only); the algorithm is the 
   where the learner gains from it.
 
 Transposing each Dense layer's inputs for its kernel gradient, once a third technique,
-was dropped when it measured slower (docs/benchmarks.md, CPU tuning). Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the train and
-sweep commands' default of one device per core) and XLA's thread pool (`run.cpu_threads`) are
-set here too, before JAX starts its backend. Importing this module changes nothing in JAX.
+was dropped when it measured slower (docs/benchmarks.md, CPU tuning). Accelerators get the
+plain path. The CPU's devices (`run.cpu_devices`, and the train and sweep commands' default
+of one device per core) and XLA's thread pool (`run.cpu_threads`) are set here too, before
+JAX starts its backend. Importing this module changes nothing in JAX.
 """
 
 from __future__ import annotations
