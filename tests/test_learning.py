@@ -1,9 +1,11 @@
 """Learning: the README's CartPole experiment solves the task within its budget, and the
-policy loaded back from its checkpoint reproduces its evaluation."""
+policy loaded back from its checkpoint reproduces its evaluation; the MinAtar experiment
+learns SpaceInvaders at a tenth of its budget (slow)."""
 
 from pathlib import Path
 
 import jax
+import pytest
 
 import jaxddppo
 from jaxddppo.config.files import load_config
@@ -27,3 +29,18 @@ def test_cartpole_experiment_learns_and_its_loaded_policy_reproduces_the_evaluat
     assert stats["return_mean"] == result.summary["eval_return_mean"]
     assert stats["return_std"] == result.summary["eval_return_std"]
     assert stats["length_mean"] == result.summary["eval_length_mean"]
+
+
+# PureJaxRL's MinAtar notebook (examples/brax_minatar.ipynb, the settings of experiments/minatar.yaml):
+# a training return of about 71 on SpaceInvaders at 1e6 env steps.
+PUREJAXRL_SPACE_INVADERS_RETURN_AT_1E6 = 71.0
+
+
+@pytest.mark.slow
+def test_minatar_experiment_reaches_purejaxrls_space_invaders_return_at_a_tenth_of_its_budget(tmp_path):
+    config = load_config(str(EXPERIMENTS / "minatar.yaml"), [
+        "env.id=SpaceInvaders-MinAtar", "train.total_env_steps=1000000", f"run.dir={tmp_path / 'run'}",
+        "run.progress=false",
+    ])
+    result = run(config, devices=jax.devices()[:1])
+    assert result.summary["final_episode_return"] >= PUREJAXRL_SPACE_INVADERS_RETURN_AT_1E6, result.summary
