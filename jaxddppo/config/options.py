@@ -223,8 +223,8 @@ class RunConfig:
     )
     cpu_tuning: str = _opt(
         "auto", "the CPU switch (jaxddppo.cpu.tuning): on, minibatch orders drawn by sorts of integers, lower XLA "
-        "optimisation levels and (jaxlib 0.10+) YNNPACK for dots only, "
-        "which XLA's CPU backend runs or compiles faster (docs/benchmarks.md); off, the plain path; auto, on where the "
+        "optimisation levels and (jaxlib 0.10+) YNNPACK for dots only, which XLA's CPU backend runs or compiles "
+        "faster (docs/benchmarks.md); off, the plain path; auto, on where the "
         "run's devices are CPUs. Results differ between on and off beyond the last bits (the minibatch orders); "
         "config.yaml records the resolved value",
         choices=("auto", "on", "off"),

@@ -19,11 +19,9 @@ other random orders (the rest changes the last bits only); the algorithm is the 
   at which MJX's physics steps at half its rate; the options keep YNNPACK to single dots,
   where the learner gains from it.
 
-Transposing each Dense layer's inputs for its kernel gradient, once a third technique,
-was dropped when it measured slower (docs/benchmarks.md, CPU tuning). Accelerators get the
-plain path. The CPU's devices (`run.cpu_devices`, and the train and sweep commands' default
-of one device per core) and XLA's thread pool (`run.cpu_threads`) are set here too, before
-JAX starts its backend. Importing this module changes nothing in JAX.
+Accelerators get the plain path. The CPU's devices (`run.cpu_devices`, and the train and
+sweep commands' default of one device per core) and XLA's thread pool (`run.cpu_threads`) are
+set here too, before JAX starts its backend. Importing this module changes nothing in JAX.
 """
 
 from __future__ import annotations
