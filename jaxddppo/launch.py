@@ -109,24 +109,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def child_arguments(train_args: Sequence[str], devices_per_process: int, port: int, num_processes: int,
-                    process_id: int) -> list[str]:
-    return [
-        *train_args,
-        f"run.cpu_devices={devices_per_process}",
-        f"distributed.coordinator=127.0.0.1:{port}",
-        f"distributed.num_processes={num_processes}",
-        f"distributed.process_id={process_id}",
-    ]
-
-
 def describe_exit(returncode: int) -> str:
     """`exited with status 3`, or `exited with status -9 (killed by SIGKILL)`."""
     if returncode >= 0:
@@ -229,7 +211,7 @@ def launch(
     """
     base_command = list(command or TRAIN_COMMAND)
     port = free_port()
-    env = child_environment()
+    env = {"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONUNBUFFERED": "1"}
     lock = threading.Lock()
     processes: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
@@ -238,7 +220,9 @@ def launch(
         try:
             for process_id in range(num_processes):
                 process = subprocess.Popen(
-                    base_command + child_arguments(train_args, devices_per_process, port, num_processes, process_id),
+                    [*base_command, *train_args, f"run.cpu_devices={devices_per_process}",
+                     f"distributed.coordinator=127.0.0.1:{port}", f"distributed.num_processes={num_processes}",
+                     f"distributed.process_id={process_id}"],
                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )

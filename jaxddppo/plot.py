@@ -16,7 +16,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import yaml
@@ -281,19 +281,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-o", "--output", help=f"PNG to write (default: RUN_DIR/{CURVE_FILE} for one run, "
                         "learning_curves.png in the current directory for several)")
     args = parser.parse_args(argv)
-    if len(args.run_dirs) == 1 and os.path.isfile(os.path.join(args.run_dirs[0], PBT_FILE)):
-        run_dir = args.run_dirs[0]
-        return _draw(args.output or os.path.join(run_dir, PBT_CURVES_FILE), lambda output: _draw_pbt(run_dir, output))
-    output = args.output or (
-        os.path.join(args.run_dirs[0], CURVE_FILE) if len(args.run_dirs) == 1 else "learning_curves.png"
-    )
-    return _draw(output, lambda output: _draw_runs(args.run_dirs, output))
-
-
-def _draw(output: str, draw: Callable[[str], None]) -> int:
-    """`draw(output)`, then the figure's path on stdout; or one line and exit code 2."""
+    first, one = args.run_dirs[0], len(args.run_dirs) == 1
+    pbt = one and os.path.isfile(os.path.join(first, PBT_FILE))
+    default = os.path.join(first, PBT_CURVES_FILE if pbt else CURVE_FILE) if one else "learning_curves.png"
+    output = args.output or default
     try:
-        draw(output)
+        if pbt:
+            if not os.path.isfile(os.path.join(first, "metrics.jsonl")):
+                raise RunDirError(f"{first} has no metrics.jsonl: not a jaxddppo run directory")
+            plot_pbt(first, output)
+        else:
+            runs = [load_run(run_dir) for run_dir in args.run_dirs]
+            output_dir = os.path.dirname(output) or "."
+            if not os.path.isdir(output_dir):
+                raise RunDirError(f"--output {output}: directory {output_dir} does not exist")
+            plot_runs(runs, output)
     except RunDirError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -302,20 +304,6 @@ def _draw(output: str, draw: Callable[[str], None]) -> int:
         return 2
     print(output)
     return 0
-
-
-def _draw_runs(run_dirs: Sequence[str], output: str) -> None:
-    runs = [load_run(run_dir) for run_dir in run_dirs]
-    output_dir = os.path.dirname(output) or "."
-    if not os.path.isdir(output_dir):
-        raise RunDirError(f"--output {output}: directory {output_dir} does not exist")
-    plot_runs(runs, output)
-
-
-def _draw_pbt(run_dir: str, output: str) -> None:
-    if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-        raise RunDirError(f"{run_dir} has no metrics.jsonl: not a jaxddppo run directory")
-    plot_pbt(run_dir, output)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,6 @@ class UserObjects:
     torso: Any = None
 
 
-def is_object_marker(value: str) -> bool:
-    return value.startswith(f"{OBJECT_PREFIX}:")
-
-
 def _library_directories() -> tuple[str, ...]:
     """Where code that is not the user's lives: the standard library, the installed packages
     and jaxddppo itself (an editable install is outside site-packages)."""
@@ -165,7 +161,7 @@ def resolve(key: str, value: str, given: Any, argument: str, hint: str = "") -> 
     that says to pass the object again."""
     if given is not None:
         return given
-    if is_object_marker(value):
+    if value.startswith(f"{OBJECT_PREFIX}:"):
         raise ConfigError(
             f"{key}={value!r} was an object passed to the Python API, with no importable reference: pass the same "
             f"object again as {argument}=... (jaxddppo.run, run_sweep, load_policy), or name it by module:attribute"

@@ -121,8 +121,7 @@ def _load(layer: Any, source: Optional[str], overrides: Iterable[str]) -> Config
     merged = OmegaConf.structured(Config)
     if layer is not None:
         merged = _merge(merged, layer, source)
-    merged = _merge(merged, _parse_overrides(overrides), "command line")
-    return _validated(merged)
+    return _validated(_merge(merged, _parse_overrides(overrides), "command line"))
 
 
 # YAML 1.1 reads an unquoted on / off as a boolean, which a string option receives as True / False.
@@ -145,8 +144,7 @@ def _validated(merged: Any) -> Config:
 def from_dict(values: dict) -> Config:
     """A config from a nested dict of overrides (the Python API), validated."""
     _check_sections(values, "config")
-    merged = _merge(OmegaConf.structured(Config), OmegaConf.create(values), "config")
-    return _validated(merged)
+    return _validated(_merge(OmegaConf.structured(Config), OmegaConf.create(values), "config"))
 
 
 def _flat(values: dict, prefix: str = "") -> dict:
@@ -224,8 +222,7 @@ def with_overrides(config: Config, overrides: Mapping[str, Any]) -> Config:
         for name in sections:
             target = target.setdefault(name, {})
         target[leaf] = list(value) if isinstance(value, tuple) else value
-    merged = _merge(OmegaConf.structured(config), OmegaConf.create(nested), "override")
-    return _validated(merged)
+    return _validated(_merge(OmegaConf.structured(config), OmegaConf.create(nested), "override"))
 
 
 def as_config(config: Union[Config, Mapping, str, os.PathLike]) -> Config:

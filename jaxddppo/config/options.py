@@ -310,6 +310,12 @@ def section_names() -> list[str]:
     return [f.name for f in dataclasses.fields(Config)]
 
 
+def config_value(config: Config, key: str) -> Any:
+    """The value of the option `key` (`section.name`) in `config`."""
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
 # What a resumed run may change: nothing here alters the algorithm (sizes, seed, hyperparameters).
 RESUMABLE_KEYS = (
     "train.total_env_steps", "train.updates_per_chunk", "run.progress", "run.tensorboard", "run.cpu_threads",
@@ -340,50 +346,32 @@ def validate(config: Config) -> None:
                 _check(value in choices, key, value, f"must be one of {', '.join(choices)}{alternative}")
             if isinstance(value, float):
                 _check(math.isfinite(value), key, value, "must be a finite number")
-    positive_ints = [
-        ("env.num_envs", config.env.num_envs),
-        ("env.optimistic_reset_ratio", config.env.optimistic_reset_ratio),
-        ("ppo.num_steps", config.ppo.num_steps),
-        ("ppo.num_epochs", config.ppo.num_epochs),
-        ("ppo.num_minibatches", config.ppo.num_minibatches),
-        ("train.total_env_steps", config.train.total_env_steps),
-        ("train.updates_per_chunk", config.train.updates_per_chunk),
-        ("eval.num_episodes", config.eval.num_episodes),
-        ("checkpoint.keep", config.checkpoint.keep),
-        ("network.recurrent_size", config.network.recurrent_size),
-    ]
-    for key, value in positive_ints:
-        _check(value >= 1, key, value, "must be at least 1")
+    for key in ("env.num_envs", "env.optimistic_reset_ratio", "ppo.num_steps", "ppo.num_epochs",
+                "ppo.num_minibatches", "train.total_env_steps", "train.updates_per_chunk", "eval.num_episodes",
+                "checkpoint.keep", "network.recurrent_size"):
+        _check((value := config_value(config, key)) >= 1, key, value, "must be at least 1")
     if config.env.start_states == "first":
         _check(config.env.optimistic_reset_ratio == 1, "env.optimistic_reset_ratio", config.env.optimistic_reset_ratio,
                "sizes the pool of fresh states, which env.start_states=first does not keep: leave it at 1")
     if config.train.num_shards is not None:
         _check(config.train.num_shards >= 1, "train.num_shards", config.train.num_shards,
                "must be at least 1 (or left unset for one shard per device)")
-    non_negative = [
-        ("checkpoint.every_updates", config.checkpoint.every_updates, " (0: none by update count)"),
-        ("checkpoint.every_seconds", config.checkpoint.every_seconds, " (0: none by time)"),
-        ("train.seed", config.train.seed, ""),
-        ("run.cpu_threads", config.run.cpu_threads, " (0: XLA's default, one per core)"),
-        ("run.cpu_devices", config.run.cpu_devices, " (0: JAX's default)"),
-        ("eval.every_updates", config.eval.every_updates, " (0: evaluate only at the end)"),
-        ("eval.video_every_updates", config.eval.video_every_updates, " (0: off)"),
-    ]
-    for key, value, meaning in non_negative:
-        _check(value >= 0, key, value, f"must be >= 0{meaning}")
+    non_negative = {"checkpoint.every_updates": " (0: none by update count)",
+                    "checkpoint.every_seconds": " (0: none by time)", "train.seed": "",
+                    "run.cpu_threads": " (0: XLA's default, one per core)", "run.cpu_devices": " (0: JAX's default)",
+                    "eval.every_updates": " (0: evaluate only at the end)", "eval.video_every_updates": " (0: off)"}
+    for key, meaning in non_negative.items():
+        _check((value := config_value(config, key)) >= 0, key, value, f"must be >= 0{meaning}")
     _check(config.run.compilation_cache.strip() not in ("", "on"), "run.compilation_cache",
            config.run.compilation_cache, "must be auto, off or a directory")
-    _check(config.ppo.learning_rate > 0, "ppo.learning_rate", config.ppo.learning_rate, "must be > 0")
-    _check(config.ppo.adam_eps > 0, "ppo.adam_eps", config.ppo.adam_eps, "must be > 0")
+    for key in ("learning_rate", "adam_eps"):
+        _check((value := getattr(config.ppo, key)) > 0, f"ppo.{key}", value, "must be > 0")
     for key in ("gamma", "gae_lambda"):
-        value = getattr(config.ppo, key)
-        _check(0.0 <= value <= 1.0, f"ppo.{key}", value, "must be in [0, 1]")
+        _check(0.0 <= (value := getattr(config.ppo, key)) <= 1.0, f"ppo.{key}", value, "must be in [0, 1]")
     for key in ("clip_eps", "max_grad_norm"):
-        value = getattr(config.ppo, key)
-        _check(value > 0, f"ppo.{key}", value, "must be > 0")
+        _check((value := getattr(config.ppo, key)) > 0, f"ppo.{key}", value, "must be > 0")
     for key in ("vf_coef", "ent_coef"):
-        value = getattr(config.ppo, key)
-        _check(value >= 0, f"ppo.{key}", value, "must be >= 0")
+        _check((value := getattr(config.ppo, key)) >= 0, f"ppo.{key}", value, "must be >= 0")
     _validate_pbt(config.pbt)
     _validate_wandb(config.wandb)
     _validate_distributed(config.distributed)

@@ -111,16 +111,12 @@ def check_replicas(params: Any, mesh: Mesh, after_update: int) -> None:
     """Raise ReplicaDivergence unless, within every member, every device of every process
     holds bitwise the same per-member `params`."""
     checksums = replica_checksums(params, mesh)
-    population = is_population(mesh)
-    for member, row in enumerate(checksums.reshape(-1, checksums.shape[-1])):
-        _raise_on_divergence(row, after_update, f" of member {member}" if population else "")
-
-
-def _raise_on_divergence(every_device: np.ndarray, after_update: int, whose: str) -> None:
-    differing = [int(i) for i in np.flatnonzero(every_device != every_device[0])]
-    if differing:
-        raise ReplicaDivergence(
-            f"replicas{whose} diverged after update {after_update}: device(s) {differing} differ from device 0 "
-            f"(parameter bit checksums {every_device.tolist()}); check that every host runs the same "
-            "jaxddppo, JAX and jaxlib versions"
-        )
+    for member, every_device in enumerate(checksums.reshape(-1, checksums.shape[-1])):
+        differing = [int(i) for i in np.flatnonzero(every_device != every_device[0])]
+        if differing:
+            whose = f" of member {member}" if is_population(mesh) else ""
+            raise ReplicaDivergence(
+                f"replicas{whose} diverged after update {after_update}: device(s) {differing} differ from device 0 "
+                f"(parameter bit checksums {every_device.tolist()}); check that every host runs the same "
+                "jaxddppo, JAX and jaxlib versions"
+            )

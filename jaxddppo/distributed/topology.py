@@ -35,12 +35,9 @@ class Topology:
         return self.minibatch_size_per_shard * self.num_shards
 
 
-def _require_divisible(numerator: tuple[str, int], denominator: tuple[str, int], advice: str) -> None:
-    (num_name, num_value), (den_name, den_value) = numerator, denominator
-    if num_value % den_value:
-        raise ConfigError(
-            f"{num_name}={num_value} is not divisible by {den_name}={den_value}; {advice}"
-        )
+def _require_divisible(name: str, value: int, divisor_name: str, divisor: int, advice: str) -> None:
+    if value % divisor:
+        raise ConfigError(f"{name}={value} is not divisible by {divisor_name}={divisor}; {advice}")
 
 
 def make_topology(config: Config, num_devices: Optional[int] = None,
@@ -50,29 +47,19 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
     num_processes = jax.process_count() if num_processes is None else num_processes
     num_shards = config.train.num_shards or num_devices
     shard_key = "train.num_shards" if config.train.num_shards else "train.num_shards (default: devices)"
-    _require_divisible(
-        (shard_key, num_shards), ("the device count", num_devices),
-        f"set train.num_shards to a multiple of {num_devices}",
-    )
+    _require_divisible(shard_key, num_shards, "the device count", num_devices,
+                       f"set train.num_shards to a multiple of {num_devices}")
     num_envs = config.env.num_envs
-    _require_divisible(
-        ("env.num_envs", num_envs), (shard_key, num_shards),
-        f"set env.num_envs to a multiple of {num_shards}",
-    )
+    _require_divisible("env.num_envs", num_envs, shard_key, num_shards,
+                       f"set env.num_envs to a multiple of {num_shards}")
     num_envs_per_shard = num_envs // num_shards
     samples_per_shard = num_envs_per_shard * config.ppo.num_steps
-    _require_divisible(
-        ("env.num_envs/train.num_shards x ppo.num_steps", samples_per_shard),
-        ("ppo.num_minibatches", config.ppo.num_minibatches),
-        "change ppo.num_minibatches, ppo.num_steps or env.num_envs",
-    )
+    _require_divisible("env.num_envs/train.num_shards x ppo.num_steps", samples_per_shard, "ppo.num_minibatches",
+                       config.ppo.num_minibatches, "change ppo.num_minibatches, ppo.num_steps or env.num_envs")
     if config.network.recurrent is not None:
-        _require_divisible(
-            (f"env.num_envs/{shard_key}", num_envs_per_shard),
-            ("ppo.num_minibatches", config.ppo.num_minibatches),
-            f"network.recurrent={config.network.recurrent} minibatches are whole environment sequences; "
-            "change ppo.num_minibatches or env.num_envs",
-        )
+        _require_divisible(f"env.num_envs/{shard_key}", num_envs_per_shard, "ppo.num_minibatches",
+                           config.ppo.num_minibatches, f"network.recurrent={config.network.recurrent} minibatches "
+                           "are whole environment sequences; change ppo.num_minibatches or env.num_envs")
     env_steps_per_update = num_envs * config.ppo.num_steps
     num_updates = config.train.total_env_steps // env_steps_per_update
     if num_updates < 1:
@@ -131,10 +118,6 @@ class Placement:
         return self.num_shards // self.shard_devices
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def place_population(num_members: int, num_shards: Optional[int], num_devices: int,
                      member_devices: Optional[int] = None) -> Placement:
     """Split `num_devices` into member_devices x shard_devices; raise ConfigError if impossible.
@@ -148,12 +131,11 @@ def place_population(num_members: int, num_shards: Optional[int], num_devices: i
             raise ConfigError(f"--member-devices={member_devices} must be at least 1")
         if num_devices % member_devices:
             raise ConfigError(f"--member-devices={member_devices} must divide the device count {num_devices}")
-        _require_divisible(("the member count (grid points x seeds)", num_members),
-                           ("--member-devices", member_devices),
+        _require_divisible("the member count (grid points x seeds)", num_members, "--member-devices", member_devices,
                            "choose --member-devices dividing the member count")
         candidates = [member_devices]
     else:
-        candidates = [d for d in reversed(_divisors(num_devices)) if num_members % d == 0]
+        candidates = [d for d in range(num_devices, 0, -1) if num_devices % d == 0 and num_members % d == 0]
     for rows in candidates:
         columns = num_devices // rows
         shards = columns if num_shards is None else num_shards

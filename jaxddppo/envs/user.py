@@ -118,16 +118,11 @@ def make_core(env_id: str, target: Any, kwargs: Mapping[str, Any]) -> EnvCore:
     return core
 
 
-def _structure(value: Any) -> str:
-    if isinstance(value, tuple):
-        return f"a tuple of {len(value)}"
-    return _describe(value)
-
-
 def _check_tuple(env_id: str, call: str, value: Any, expected: str) -> None:
     size = expected.count(",") + 1
     if not isinstance(value, tuple) or len(value) != size:
-        raise ConfigError(f"{KEY}={env_id!r}: {call} must return {expected}, not {_structure(value)}")
+        structure = f"a tuple of {len(value)}" if isinstance(value, tuple) else _describe(value)
+        raise ConfigError(f"{KEY}={env_id!r}: {call} must return {expected}, not {structure}")
 
 
 def _as_observed(obs: Any) -> Any:

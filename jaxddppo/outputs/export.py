@@ -80,12 +80,6 @@ def export_for(program: Callable, args: tuple[Any, ...], platforms: tuple[str, .
     return jax.export.export(program, platforms=lowered)(*args), left_out
 
 
-def export_program(policy: Policy, platforms: tuple[str, ...] = PLATFORMS
-                   ) -> tuple[jax.export.Exported, dict[str, str]]:
-    """The deterministic policy exported for `platforms` (those it lowers for: `export_for`)."""
-    return export_for(jax.jit(deterministic_program(policy)), argument_specs(policy), platforms)
-
-
 def describe_arrays(tree: Any, treedef: Any) -> Any:
     """A flat list of abstract arrays as `{shape, dtype}` objects in the pytree `treedef`
     (tuples as JSON lists), the batch axis named."""
@@ -148,7 +142,7 @@ def export_policy(run_dir: str, output: str, step: Optional[int] = None,
     checkpoints and platforms left out go to `report`; `env` and `torso` as for `load_policy`.
     """
     policy = load_policy(run_dir, step, report, env=env, torso=torso)
-    exported, left_out = export_program(policy)
+    exported, left_out = export_for(jax.jit(deterministic_program(policy)), argument_specs(policy), PLATFORMS)
     for platform, reason in left_out.items():
         report(f"not exported for {platform}: {reason}")
     info = description(policy, exported, left_out, run_dir, os.path.basename(output))

@@ -155,10 +155,7 @@ def truncate_metrics(path: str, last_update: int) -> int:
                 break
             kept.append(line)
             last_kept = row["update"]
-    temporary = f"{path}.tmp"
-    with open(temporary, "w") as handle:
-        handle.writelines(kept)
-    os.replace(temporary, path)
+    write_atomically(path, "".join(kept))
     return last_kept
 
 

@@ -141,10 +141,6 @@ class Checkpointer:
         """The complete checkpoints, oldest first."""
         return sorted(self._manager.all_steps())
 
-    def latest_step(self) -> Optional[int]:
-        steps = self.steps()
-        return steps[-1] if steps else None
-
     def save(self, state: Any, counters: RunCounters, checksum: Optional[Callable] = None) -> None:
         """Start saving; the digest is taken first, from the same arrays (a few ms), with
         `checksum` (`Programs.checksum`) if given, else a program compiled at the first save."""

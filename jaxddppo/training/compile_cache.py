@@ -44,14 +44,9 @@ def machine_tag(cpuinfo: Optional[str] = None) -> str:
             cpuinfo = CPUINFO.read_text()
         except OSError:
             cpuinfo = ""
-    features = ""
-    for line in cpuinfo.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):  # x86, ARM
-            features = " ".join(sorted(value.split()))
-            break
-    if not features:
-        features = platform.processor()
+    fields = (line.partition(":") for line in cpuinfo.splitlines())
+    features = next((" ".join(sorted(value.split())) for name, _, value in fields
+                     if name.strip() in ("flags", "Features")), "") or platform.processor()  # x86, ARM
     return f"{platform.machine() or 'unknown'}-{hashlib.sha256(features.encode()).hexdigest()[:12]}"
 
 

@@ -416,8 +416,7 @@ def open_pbt_log(experiment: Experiment, run_dir: str, state: TrainState, update
         return None
     path = os.path.join(run_dir, PBT_FILE)
     if update == 0:
-        with open(path, "w"):
-            pass
+        open(path, "w").close()
     writer = MetricsWriter(path)
     if record is not None:
         writer.write(pbt.initial_rows(record, experiment.pbt.reported))

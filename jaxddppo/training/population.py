@@ -17,7 +17,7 @@ import jax
 
 from jaxddppo import sharding
 from jaxddppo.config.files import SWEEP_SPEC_FILE, with_overrides
-from jaxddppo.config.options import TRACED_KEYS, Config, ConfigError
+from jaxddppo.config.options import TRACED_KEYS, Config, ConfigError, config_value
 from jaxddppo.config.reference import options
 from jaxddppo.distributed.topology import make_topology, place_population
 from jaxddppo.references import UserObjects
@@ -25,11 +25,6 @@ from jaxddppo.training.experiment import Experiment, Member, assemble
 
 
 SEED_KEY = "train.seed"
-
-
-def _config_value(config: Config, key: str) -> Any:
-    section, leaf = key.split(".")
-    return getattr(getattr(config, section), leaf)
 
 
 def check_grid_keys(config: Config, grid: Mapping[str, Sequence[Any]]) -> None:
@@ -81,7 +76,7 @@ def expand_members(config: Config, grid: Mapping[str, Sequence[Any]], num_seeds:
                 index=len(members),
                 setting=setting,
                 seed=member_config.train.seed,
-                values={key: _config_value(member_config, key) for key in axes},
+                values={key: config_value(member_config, key) for key in axes},
                 config=member_config,
             ))
     return members

@@ -62,10 +62,6 @@ def storage_fault(error: BaseException) -> Optional[tuple[int, Optional[str]]]:
     return None
 
 
-def describe(code: int) -> str:
-    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
-
-
 class _QuietStorageFaults(logging.Filter):
     """Drops log records of a storage fault: orbax logs each failed write of its background
     threads with a traceback before the error reaches the caller, who reports it once."""
@@ -122,8 +118,7 @@ def one_line_storage_faults(run_dir: str, checkpointer: Checkpointer, abstract_s
     try:
         yield
     except Exception as error:
-        fault = storage_fault(error)
-        if fault is None:
+        if (fault := storage_fault(error)) is None:
             raise
         faulted = True
         partial = checkpointer.abandon()
@@ -147,8 +142,7 @@ def one_line_result_faults(run_dir: str, resume_command: str) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        fault = storage_fault(error)
-        if fault is None:
+        if (fault := storage_fault(error)) is None:
             raise
         raise StorageError(f"{_fault_line(run_dir, *fault)} while writing the results; the checkpoints are "
                            f"complete; once fixed, write them with: {resume_command} {run_dir}") from None
@@ -157,7 +151,8 @@ def one_line_result_faults(run_dir: str, resume_command: str) -> Iterator[None]:
 def _fault_line(run_dir: str, code: int, path: Optional[str]) -> str:
     if path and os.path.abspath(path).startswith(os.path.abspath(run_dir) + os.sep):
         path = os.path.relpath(path, run_dir)
-    return f"storage error in {run_dir}: {describe(code)}" + (f" ({path})" if path else "")
+    return (f"storage error in {run_dir}: {os.strerror(code)} ({errno.errorcode.get(code, code)})"
+            + (f" ({path})" if path else ""))
 
 
 def _newest(checkpointer: Checkpointer, abstract_state: Callable[[], Any]) -> str:
@@ -168,8 +163,8 @@ def _newest(checkpointer: Checkpointer, abstract_state: Callable[[], Any]) -> st
     try:
         if jax.process_count() == 1:
             return reader.newest_intact(abstract_state())
-        newest = reader.latest_step()
-        return "no checkpoint had been saved" if newest is None else \
-            f"the newest complete checkpoint is {reader.path(newest)} (a resume verifies it)"
+        steps = reader.steps()
+        return "no checkpoint had been saved" if not steps else \
+            f"the newest complete checkpoint is {reader.path(steps[-1])} (a resume verifies it)"
     finally:
         reader.close()
