@@ -169,13 +169,15 @@ def playground_spec(task: str, total_env_steps: int) -> dict[str, Any]:
 
 
 def suite(name: str, tasks: Optional[Sequence[str]] = None, seeds: Optional[int] = None,
-          total_env_steps: Optional[int] = None) -> Suite:
-    """A suite with its defaults, or the tasks, seed count and env steps given."""
+          total_env_steps: Optional[int] = None, cpu_devices: int = 0) -> Suite:
+    """A suite with its defaults, or the tasks, seed count and env steps given; jaxddppo trains
+    on `cpu_devices` CPU devices (`run.cpu_devices`; 0: the train command's own choice)."""
     if name == "minatar":
         specs = {task: minatar_spec(task, total_env_steps or MINATAR_SETTINGS["total_env_steps"])
                  for task in tasks or MINATAR_TASKS}
-        return Suite(name, specs, seeds or 3, "training")
-    specs = {task: playground_spec(task, total_env_steps or PLAYGROUND_TASKS[task])
+        return Suite(name, {task: {**spec, "cpu_devices": cpu_devices} for task, spec in specs.items()},
+                     seeds or 3, "training")
+    specs = {task: {**playground_spec(task, total_env_steps or PLAYGROUND_TASKS[task]), "cpu_devices": cpu_devices}
              for task in tasks or PLAYGROUND_TASKS}
     return Suite(name, specs, seeds or 2, "evaluation")
 
@@ -193,6 +195,7 @@ def jaxddppo_config(suite_name: str, spec: Mapping[str, Any], seed: int, run_dir
         config["train"]["updates_per_chunk"] = spec["eval_every_updates"]
         config["eval"]["every_updates"] = spec["eval_every_updates"]
     config["run"]["compilation_cache"] = "off"
+    config["run"]["cpu_devices"] = spec.get("cpu_devices", 0)
     return config
 
 
@@ -600,6 +603,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, metavar="DIR", required=True,
                         help="where SUITE.json (the record), SUITE.png and SUITE.md go")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds allowed per trial (default 3600)")
+    parser.add_argument("--jaxddppo-cpu-devices", type=int, default=0, metavar="N",
+                        help="jaxddppo's run.cpu_devices (default 0: the train command's own choice)")
     args = parser.parse_args(argv)
     args.tasks = names(args.tasks) if args.tasks else None
     problem = argument_problem(args)
@@ -622,6 +627,8 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
         return f"--seeds={args.seeds} must be at least 1"
     if args.total_env_steps is not None and args.total_env_steps < 1:
         return f"--total-env-steps={args.total_env_steps} must be at least 1"
+    if args.jaxddppo_cpu_devices < 0:
+        return f"--jaxddppo-cpu-devices={args.jaxddppo_cpu_devices} must be 0 (the command's choice) or more"
     if args.suite != "minatar" and args.purejaxrl is not None:
         return "--purejaxrl is read only by --suite=minatar"
     if args.suite == "minatar" and (args.purejaxrl is None or not (args.purejaxrl / "purejaxrl" / "ppo.py").is_file()):
@@ -637,7 +644,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_table(record))
         print(f"wrote {figure} and {table}")
         return 0
-    chosen = suite(args.suite, args.tasks, args.seeds, args.total_env_steps)
+    chosen = suite(args.suite, args.tasks, args.seeds, args.total_env_steps, args.jaxddppo_cpu_devices)
     purejaxrl = args.purejaxrl.resolve() if args.purejaxrl else None
     cpu = cpu_description(read_cpuinfo())
     budgets = ", ".join(f"{task} {spec['total_env_steps']:,} steps" for task, spec in chosen.specs.items())

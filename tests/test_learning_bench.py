@@ -99,7 +99,9 @@ def test_the_minatar_suite_has_purejaxrls_settings_and_experiments_minatar_yaml_
     written = from_dict(learning.jaxddppo_config("minatar", spec, 1, Path("run")))
     experiment = load_config(str(REPO_ROOT / "experiments" / "minatar.yaml"))
     assert (written.env, written.network, written.ppo) == (experiment.env, experiment.network, experiment.ppo)
-    assert written.train.seed == 1 and written.run.compilation_cache == "off"
+    assert written.train.seed == 1 and written.run.compilation_cache == "off" and written.run.cpu_devices == 0
+    one_device = learning.suite("minatar", ["Breakout-MinAtar"], cpu_devices=1).specs["Breakout-MinAtar"]
+    assert from_dict(learning.jaxddppo_config("minatar", one_device, 0, Path("run"))).run.cpu_devices == 1
     assert experiment.train.total_env_steps == 10_000_000
     pure = peers.purejaxrl_config(learning.purejaxrl_spec(spec))
     assert (pure["NUM_ENVS"], pure["NUM_STEPS"], pure["UPDATE_EPOCHS"], pure["NUM_MINIBATCHES"]) == (64, 128, 4, 8)
@@ -141,6 +143,8 @@ def test_arguments_are_checked(tmp_path, capsys):
                                (["--suite", "minatar", "--out", "x"], "needs --purejaxrl PATH"),
                                (["--suite", "playground", "--tasks", "Pong", "--out", "x"], "--tasks=Pong is not"),
                                (["--suite", "playground", "--seeds", "0", "--out", "x"], "--seeds=0 must be"),
+                               (["--suite", "playground", "--jaxddppo-cpu-devices", "-1", "--out", "x"],
+                                "--jaxddppo-cpu-devices=-1 must be"),
                                (["--suite", "playground", "--purejaxrl", "p", "--out", "x"], "read only by"),
                                (["--report", str(tmp_path / "none.json"), "--out", "x"], "is not a file")):
         with pytest.raises(SystemExit) as exit_info:
