@@ -281,9 +281,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("-o", "--output", help=f"PNG to write (default: RUN_DIR/{CURVE_FILE} for one run, "
                         "learning_curves.png in the current directory for several)")
     args = parser.parse_args(argv)
-    first, one = args.run_dirs[0], len(args.run_dirs) == 1
-    pbt = one and os.path.isfile(os.path.join(first, PBT_FILE))
-    default = os.path.join(first, PBT_CURVES_FILE if pbt else CURVE_FILE) if one else "learning_curves.png"
+    first, single_run = args.run_dirs[0], len(args.run_dirs) == 1
+    pbt = single_run and os.path.isfile(os.path.join(first, PBT_FILE))
+    default = os.path.join(first, PBT_CURVES_FILE if pbt else CURVE_FILE) if single_run else "learning_curves.png"
     output = args.output or default
     try:
         if pbt:
