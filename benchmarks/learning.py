@@ -175,11 +175,13 @@ def suite(name: str, tasks: Optional[Sequence[str]] = None, seeds: Optional[int]
     if name == "minatar":
         specs = {task: minatar_spec(task, total_env_steps or MINATAR_SETTINGS["total_env_steps"])
                  for task in tasks or MINATAR_TASKS}
-        return Suite(name, {task: {**spec, "cpu_devices": cpu_devices} for task, spec in specs.items()},
-                     seeds or 3, "training")
-    specs = {task: {**playground_spec(task, total_env_steps or PLAYGROUND_TASKS[task]), "cpu_devices": cpu_devices}
-             for task in tasks or PLAYGROUND_TASKS}
-    return Suite(name, specs, seeds or 2, "evaluation")
+        default_seeds, curve = 3, "training"
+    else:
+        specs = {task: playground_spec(task, total_env_steps or PLAYGROUND_TASKS[task])
+                 for task in tasks or PLAYGROUND_TASKS}
+        default_seeds, curve = 2, "evaluation"
+    return Suite(name, {task: {**spec, "cpu_devices": cpu_devices} for task, spec in specs.items()},
+                 seeds or default_seeds, curve)
 
 
 # ---------------------------------------------------------------- one trial
