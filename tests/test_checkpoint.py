@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,7 +36,14 @@ from jaxddppo.train import run
 from jaxddppo.training import checkpoint
 from jaxddppo.training.checkpoint import PREEMPTED_EXIT_CODE, Checkpointer, SaveSchedule
 from jaxddppo.training.chunk_metrics import NonFiniteError
-from jaxddppo.training.experiment import Experiment, all_finite, build, compile_programs, update_count
+from jaxddppo.training.experiment import (
+    CompilingProgram,
+    Experiment,
+    all_finite,
+    build,
+    compile_programs,
+    update_count,
+)
 from jaxddppo.training.loop import chunk_plan
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -459,21 +467,43 @@ def test_sigkill_at_random_moments_never_breaks_resume(tmp_path):
 
 
 def test_a_finished_run_compiles_its_final_evaluation_with_its_training_programs(one_go):
-    assert isinstance(one_go.final_evaluate, jax.stages.Compiled)
+    assert isinstance(one_go.final_evaluate, CompilingProgram)
+    assert isinstance(one_go.final_evaluate.future.result(), jax.stages.Compiled)
     experiment = build(small_config(one_go.run_dir), jax.devices()[:4])
     compiled_at_the_end = experiment.final_evaluations(one_go.state)[0]
     assert np.mean(np.asarray(compiled_at_the_end.returns, np.float64)) == one_go.summary["eval_return_mean"]
 
 
 def test_the_final_evaluation_is_placed_on_the_callers_default_device(tmp_path):
-    """The programs are lowered in threads of their own, each under the calling thread's
-    `jax.default_device`, which places the final evaluation (a program of one device)."""
+    """The final evaluation is lowered in a background thread, under the calling thread's
+    `jax.default_device`, which places it (a program of one device)."""
     experiment = build(small_config(tmp_path / "run"), jax.devices()[:1])
     with jax.default_device(jax.devices()[1]):
         programs = compile_programs(experiment, final_evaluation=True)
-    shardings = jax.tree.leaves(programs.final_evaluate.input_shardings)
+    shardings = jax.tree.leaves(programs.final_evaluate.future.result().input_shardings)
     assert shardings and all(placed.device_set == {jax.devices()[1]} for placed in shardings)
     assert all(placed.device_set == {jax.devices()[0]} for placed in jax.tree.leaves(programs.learn.input_shardings))
+
+
+def test_training_starts_while_the_final_evaluation_compiles(tmp_path, monkeypatch):
+    """`compile_programs` returns with the training's programs; the final evaluation, lowered
+    in the background, is waited for by its call, which raises what its lowering raised."""
+    experiment = build(small_config(tmp_path / "run"), jax.devices()[:1])
+    training_ran = threading.Event()
+
+    def lower_after_training(self, state):
+        if not training_ran.wait(timeout=60):
+            raise AssertionError("compile_programs waited for the final evaluation")
+        raise RuntimeError("the final evaluation cannot be lowered")
+
+    monkeypatch.setattr(Experiment, "lower_final_evaluation", lower_after_training)
+    programs = compile_programs(experiment, final_evaluation=True)
+    state = programs.init(programs.inputs)
+    state, _, finite = programs.learn(state, programs.inputs, update_count(experiment.mesh, 1))
+    assert bool(np.all(finite))
+    training_ran.set()
+    with pytest.raises(RuntimeError, match="cannot be lowered"):
+        experiment.final_evaluations(state, programs.final_evaluate)
 
 
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):

@@ -7,7 +7,7 @@ needs this module, not the training loop.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -226,7 +226,7 @@ class Experiment:
             self.config.eval.num_episodes, self.topology.num_shards, self.settings.shards, obs_moments,
         )
 
-    def final_evaluations(self, state: TrainState, program: Optional[jax.stages.Compiled] = None
+    def final_evaluations(self, state: TrainState, program: Optional[Callable[..., EvalResult]] = None
                           ) -> list[EvalResult]:
         """Every member's final deterministic evaluation, on the host, one member after another
         with one compiled program (`jaxddppo.evaluate` reproduces it): `program`
@@ -340,15 +340,16 @@ def all_finite(tree: Any) -> jax.Array:
 class Programs:
     """Everything a population executes, compiled, and their traced inputs: the
     initialisation, the chunk of updates (`Experiment.learn_fn`, one program for chunks of
-    every length), the periodic evaluation (None when `eval.every_updates` is 0) and the
-    checksums of a checkpoint's digest."""
+    every length), the periodic evaluation (None when `eval.every_updates` is 0), and the
+    two compiled while the first updates run: the checksums of a checkpoint's digest and
+    the final evaluation."""
 
     inputs: ShardInputs
     init: Callable[[ShardInputs], TrainState]
     learn: Callable[[TrainState, ShardInputs, jax.Array], tuple[TrainState, UpdateMetrics, jax.Array]]
     evaluate: Optional[Callable[[Any, Any, jax.Array, ShardInputs], EvalStats]]
     checksum: Callable[..., tuple[jax.Array, jax.Array]]  # a checkpoint's digest (`global_arrays.state_checksums`)
-    final_evaluate: Optional[jax.stages.Compiled]  # `Experiment.final_evaluations`' program, if asked for
+    final_evaluate: Optional[Callable[..., EvalResult]]  # `Experiment.final_evaluations`' program, if asked for
 
     def evaluate_after(self, state: TrainState, updates_done: int, every_updates: int,
                        mesh: jax.sharding.Mesh) -> Optional[EvalStats]:
@@ -361,16 +362,33 @@ class Programs:
         return global_arrays.member_values(stats, mesh)
 
 
+@dataclass(frozen=True)
+class CompilingProgram:
+    """A program being compiled in a background thread: a call waits for it, and raises
+    what its lowering or compilation raised."""
+
+    future: Future
+
+    def __call__(self, *args: Any) -> Any:
+        return self.future.result()(*args)
+
+
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
     """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
     the periodic evaluation and the final one, lowered from the initialisation's output
-    shapes alone (nothing runs before every program is compiled). The calling thread lowers
-    them one after another, the longest first, under its `jax.default_device` (which places
-    the final evaluation), and each compiles in a thread of its own as soon as it is lowered:
-    XLA compiles without holding Python's GIL, so the next lowering runs beside it (lowerings
-    in threads of their own would take turns at the GIL, slower). With `run.cpu_tuning` on,
-    `cpu_tuning.compiler_options` apply, except to the final evaluation, compiled as
-    `jaxddppo.evaluate` compiles it."""
+    shapes alone (nothing runs before the training's programs are compiled).
+
+    What training needs first, the longest first: the calling thread lowers each, and each
+    compiles in a thread of its own as soon as it is lowered (XLA compiles without holding
+    Python's GIL, so the next lowering runs beside it; lowerings in threads of their own
+    would take turns at the GIL, slower). Once they are compiled, one background thread
+    lowers and compiles the checksums, then the final evaluation, while the training
+    starts: neither is needed before the first checkpoint or the end, and the final
+    evaluation's compile took 7 of the 26 s before the first update on a MinAtar game.
+
+    With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply, except to the final
+    evaluation, compiled as `jaxddppo.evaluate` compiles it, on the calling thread's
+    `jax.default_device`."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
@@ -380,22 +398,33 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         return cpu_tuning.compiler_options(platform, runs_once) if cpu_tuning.is_on(experiment.config) else {}
 
     # name: (lowering, compiler options)
-    lowerings = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
-                           tuned())}
+    first = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
+                       tuned())}
     if experiment.config.eval.every_updates:
-        lowerings["evaluate"] = (lambda: experiment.eval_fn().lower(
+        first["evaluate"] = (lambda: experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, inputs
         ), tuned())
-    if final_evaluation:
-        lowerings["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
-    checksum = global_arrays.checksum_program(experiment.mesh)
-    lowerings["checksum"] = (lambda: checksum.lower(*global_arrays.by_layout(state)), tuned())
-    lowerings["init"] = (traced_init.lower, tuned(runs_once=True))
-    with ThreadPoolExecutor(max_workers=len(lowerings)) as pool:
-        futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in lowerings.items()}
+    first["init"] = (traced_init.lower, tuned(runs_once=True))
+    with ThreadPoolExecutor(max_workers=len(first)) as pool:
+        futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in first.items()}
         compiled = {name: future.result() for name, future in futures.items()}
+
+    checksum = global_arrays.checksum_program(experiment.mesh)
+    later = {"checksum": (lambda: checksum.lower(*global_arrays.by_layout(state)), tuned())}
+    if final_evaluation:
+        later["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
+    default_device = jax.config.jax_default_device  # a per-thread setting: the background thread's is unset
+
+    def lower_and_compile(lower: Callable[[], jax.stages.Lowered], options: dict) -> jax.stages.Compiled:
+        with jax.default_device(default_device):
+            return lower().compile(options)
+
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxddppo-compile")
+    deferred = {name: CompilingProgram(background.submit(lower_and_compile, lower, options))
+                for name, (lower, options) in later.items()}
+    background.shutdown(wait=False)
     return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
-                    checksum=compiled["checksum"], final_evaluate=compiled.get("final_evaluate"))
+                    checksum=deferred["checksum"], final_evaluate=deferred.get("final_evaluate"))
 
 
 def final_eval_key(config: Config) -> jax.Array:

@@ -45,6 +45,7 @@ from jaxddppo.training.checkpoint import (
     StopSignals,
 )
 from jaxddppo.training.chunk_metrics import NonFiniteError, check_finite, chunk_episode_return, chunk_rows
+from jaxddppo.training.eval_episodes import EvalResult
 from jaxddppo.training.experiment import Experiment, Member, Programs, compile_programs, final_eval_key, update_count
 from jaxddppo.training.storage import STORAGE_EXIT_CODE, StorageError, one_line_storage_faults
 
@@ -63,8 +64,8 @@ class TrainResult:
     counters: RunCounters
     compile_seconds: float
     stopped_by: Optional[str] = None
-    # The final evaluation's program, compiled beside the training's (None if it stopped early)
-    final_evaluate: Optional[jax.stages.Compiled] = None
+    # The final evaluation's program, compiled while the training ran (None if it stopped early)
+    final_evaluate: Optional[Callable[..., EvalResult]] = None
 
     @property
     def preempted(self) -> bool:
