@@ -2,8 +2,11 @@
 
 gymnax 1.0's `step` returns (obs, state, reward, terminated, truncated, info);
 rejax 0.1.3 and PureJaxRL unpack (obs, state, reward, done, info). `make` wraps
-an environment to step the older way, done = terminated or truncated, and
-`prepare_purejaxrl` makes PureJaxRL use it. Imported only by benchmarks/peers.py,
+an environment to step the older way, done = terminated or truncated, its
+`info` without gymnax 1.0's `final_observation` (PureJaxRL keeps every step's
+`info` in its metrics: at 1e7 steps on SpaceInvaders-MinAtar, 24 GB of final
+observations, beyond this 24 GB host), and `prepare_purejaxrl` makes PureJaxRL
+use it. Imported only by benchmarks/peers.py,
 in a peer's own process.
 """
 
@@ -20,7 +23,8 @@ import jax.numpy as jnp
 
 
 class FiveValueStep:
-    """A gymnax 1.0 environment whose `step` returns (obs, state, reward, done, info)."""
+    """A gymnax 1.0 environment whose `step` returns (obs, state, reward, done, info), its
+    info as gymnax's older step gave it: without the final observation."""
 
     def __init__(self, env: Any):
         self.env = env
@@ -32,6 +36,7 @@ class FiveValueStep:
 
     def step(self, key: Any, state: Any, action: Any, params: Any = None) -> tuple:
         obs, state, reward, terminated, truncated, info = self.env.step(key, state, action, params)
+        info = {name: value for name, value in info.items() if name != "final_observation"}
         return obs, state, reward, jnp.logical_or(terminated, truncated), info
 
 
