@@ -332,7 +332,7 @@ def test_minibatch_advantages_normalised_over_all_shards():
     ("cartpole.yaml", ["train.num_shards=4"], 2),
     ("memory_chain.yaml", ["train.num_shards=2"], 1),
     ("memory_chain.yaml", ["train.num_shards=2", "network.recurrent=lstm"], 1),
-    ("breakout_minatar.yaml", ["train.num_shards=2"], 1),
+    ("minatar.yaml", ["train.num_shards=2", "network.torso=cnn", "network.cnn_channels=[16]"], 1),
 ])
 def test_initialisation_factorises_one_matrix_at_a_time(experiment_yaml, overrides, num_devices):
     """With two shards per device every orthogonal initialiser (dense, convolution,
