@@ -6,8 +6,7 @@ an environment to step the older way, done = terminated or truncated, its
 `info` without gymnax 1.0's `final_observation` (PureJaxRL keeps every step's
 `info` in its metrics: at 1e7 steps on SpaceInvaders-MinAtar, 24 GB of final
 observations, beyond this 24 GB host), and `prepare_purejaxrl` makes PureJaxRL
-use it. Imported only by benchmarks/peers.py,
-in a peer's own process.
+use it. Imported only by benchmarks/peers.py, in a peer's own process.
 """
 
 from __future__ import annotations
