@@ -1,5 +1,6 @@
 """Learning side by side: `python benchmarks/learning.py --suite minatar|playground [--tasks A,B] [--seeds N]
-[--total-env-steps N] [--purejaxrl PATH] [--out DIR]`; `--report RECORD.json --out DIR` redraws without training.
+[--total-env-steps N] [--purejaxrl PATH] --out DIR [--resume]`; `--report RECORD.json --out DIR` redraws without
+training.
 
 Each suite trains jaxddppo and its reference implementation with the same settings on each task, over
 several seeds, each trial a fresh process with the compilation cache off; the trials alternate, jaxddppo
@@ -20,9 +21,10 @@ before it. PureJaxRL trains in one compiled call: its updates spread evenly over
 process's age when the call started (a constant rate: the call reports nothing in between). Brax: the
 process's age at each of its progress reports (after each training call and its evaluation).
 
-The record (`--out DIR`: DIR/SUITE.json) keeps the machine, the versions, the sources, every trial's
-command, config and raw outputs (jaxddppo's metrics rows, the peer's result file) beside its curve;
-SUITE.png draws each task's median curves and seed ranges, SUITE.md tabulates the final returns.
+The record (`--out DIR`: DIR/SUITE.json, written after every trial; `--resume` runs only the trials it
+lacks) keeps the machine, the versions, the sources, every trial's command, config and raw outputs
+(jaxddppo's metrics rows, the peer's result file) beside its curve; SUITE.png draws each task's median
+curves and seed ranges, SUITE.md tabulates the final returns.
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ def run_trial(trainer: str, suite_name: str, spec: Mapping[str, Any], seed: int,
         else:
             outputs = json.loads((scratch / "result.json").read_text())
     return {"trainer": trainer, "seed": seed, "command": command, "config": config, "wall_seconds": wall_seconds,
-            "peak_rss_mb": finished.peak_rss_mb, "outputs": outputs}
+            "peak_rss_mb": finished.peak_rss_mb, "jaxddppo_revision": revision(REPO_ROOT), "outputs": outputs}
 
 
 # ---------------------------------------------------------------- curves from the raw outputs
@@ -550,19 +552,26 @@ def trial_label(trial: Mapping[str, Any]) -> str:
 
 
 def measure(chosen: Suite, run: Callable[[str, str, int], dict[str, Any]],
-            trainers: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
+            trainers: Optional[Sequence[str]] = None, done: Sequence[dict[str, Any]] = (),
+            after_trial: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
     """Seed after seed, task after task, jaxddppo then the reference (or `trainers`); each trial with its
-    curve and numbers. Prints one line per trial."""
-    trials = []
+    curve and numbers. The trials in `done` (an earlier record's) are kept and not run again; after each
+    new trial, `after_trial` gets the trials so far. Prints one line per trial."""
+    trials = list(done)
+    measured_already = {(trial["task"], trial["trainer"], trial["seed"]) for trial in done}
     for seed in range(chosen.seeds):
         for task in chosen.specs:
             for trainer in trainers or TRAINERS[chosen.name]:
+                if (task, trainer, seed) in measured_already:
+                    continue
                 trial = {"task": task, **run(trainer, task, seed)}
                 trial.update(measured(trial, chosen.curve))
                 trials.append(trial)
                 print(f"{trial_label(trial)}: final return {trial['final_return']:.2f}, evaluation "
                       f"{number(trial['eval_return'], 2)}, compile {trial['compile_seconds']:.1f} s, process "
                       f"{trial['wall_seconds']:.0f} s", flush=True)
+                if after_trial is not None:
+                    after_trial(trials)
     return trials
 
 
@@ -588,6 +597,41 @@ def build_record(chosen: Suite, trials: Sequence[dict[str, Any]], command: str, 
     }
 
 
+def save_record(record: Mapping[str, Any], path: Path) -> None:
+    """Write `record` to `path` whole or not at all: a run stopped while writing keeps the last one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record, indent=1))
+    os.replace(partial, path)
+
+
+def resume_problem(path: Path, record: Mapping[str, Any]) -> Optional[str]:
+    """Why the run of `record` (its trials aside) cannot continue the record at `path`, in one line;
+    None if it can: the same suite, tasks and settings, on the same machine with the same versions."""
+    try:
+        previous = json.loads(path.read_text())
+        trials = previous["trials"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"--resume: {path} is not a record of this benchmark ({type(error).__name__}: {error})"
+    if not isinstance(trials, list):
+        return f"--resume: {path} is not a record of this benchmark (its trials are not a list)"
+    ours = json.loads(json.dumps(record))
+    for key in ("suite", "curve", "tasks"):
+        if previous.get(key) != ours[key]:
+            return f"--resume: {path} records {key} {previous.get(key)}, this run {ours[key]}"
+    for task, spec in ours["specs"].items():
+        theirs = previous.get("specs", {}).get(task, {})
+        for setting in sorted(set(spec) | set(theirs)):
+            if spec.get(setting) != theirs.get(setting):
+                return (f"--resume: {path} trained {task} with {setting}={theirs.get(setting)}, this run "
+                        f"{setting}={spec.get(setting)}")
+    for group in ("machine", "versions"):
+        theirs, mine = previous.get(group, {}), ours[group]
+        for key in sorted((set(theirs) | set(mine)) - {"date"}):
+            if theirs.get(key) != mine.get(key):
+                return f"--resume: {path} was measured with {key}={theirs.get(key)}, this run has {mine.get(key)}"
+    return None
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = OneLineParser(
         prog="python benchmarks/learning.py",
@@ -601,6 +645,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--total-env-steps", type=int, metavar="N",
                         help="every task's env steps (rounded to whole updates), e.g. for a quick check")
     parser.add_argument("--purejaxrl", type=Path, metavar="PATH", help=f"minatar: a clone of {PUREJAXRL_URL}")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the record in --out: run only the trials it lacks (same settings, machine "
+                        "and versions)")
     parser.add_argument("--report", type=Path, metavar="RECORD", help="redraw the figure and table of a record")
     parser.add_argument("--out", type=Path, metavar="DIR", required=True,
                         help="where SUITE.json (the record), SUITE.png and SUITE.md go")
@@ -619,6 +666,8 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with the parsed arguments, in one line; None if nothing."""
     if (args.report is None) == (args.suite is None):
         return "give --suite NAME to train, or --report RECORD to redraw"
+    if args.report is not None and args.resume:
+        return "--resume continues a training run (--suite), not --report"
     if args.report is not None:
         return None if args.report.is_file() else f"--report={args.report} is not a file"
     every = MINATAR_TASKS if args.suite == "minatar" else tuple(PLAYGROUND_TASKS)
@@ -649,22 +698,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chosen = suite(args.suite, args.tasks, args.seeds, args.total_env_steps, args.jaxddppo_cpu_devices)
     purejaxrl = args.purejaxrl.resolve() if args.purejaxrl else None
     cpu = cpu_description(read_cpuinfo())
+    command = "python benchmarks/learning.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = build_record(chosen, [], command, purejaxrl, cpu)
+    path = args.out / f"{chosen.name}.json"
+    done: list[dict[str, Any]] = []
+    if path.exists():
+        problem = resume_problem(path, record) if args.resume else \
+            f"{path} exists: --resume continues its run, or give another --out"
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return EXIT_BAD_ARGUMENTS
+        previous = json.loads(path.read_text())
+        record["command"], done = previous["command"], previous["trials"]
     budgets = ", ".join(f"{task} {spec['total_env_steps']:,} steps" for task, spec in chosen.specs.items())
     print(f"machine: {cpu['cpu_model'] or 'CPU model unknown'}, {os.cpu_count()} CPUs; {chosen.seeds} seed(s); "
-          f"{budgets}", flush=True)
+          f"{budgets}" + (f"; {len(done)} trial(s) already in {path}" if done else ""), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     try:
         trials = measure(chosen, lambda trainer, task, seed: run_trial(
-            trainer, chosen.name, chosen.specs[task], seed, purejaxrl, args.timeout))
+            trainer, chosen.name, chosen.specs[task], seed, purejaxrl, args.timeout), done=done,
+            after_trial=lambda trials: save_record({**record, "trials": trials}, path))
     except BenchError as error:
-        print(f"error: {error}", file=sys.stderr)
+        kept = f"\nthe trials before it are in {path}: --resume continues" if path.exists() else ""
+        print(f"error: {error}{kept}", file=sys.stderr)
         return EXIT_TRIAL_FAILED
-    command = "python benchmarks/learning.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    record = build_record(chosen, trials, command, purejaxrl, cpu)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{chosen.name}.json").write_text(json.dumps(record, indent=1))
+    record["trials"] = trials
+    save_record(record, path)
     figure, table = write_report(record, args.out)
     print(format_table(record))
-    print(f"wrote {args.out / f'{chosen.name}.json'}, {figure} and {table}")
+    print(f"wrote {path}, {figure} and {table}")
     return 0
 
 

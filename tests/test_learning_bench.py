@@ -146,10 +146,85 @@ def test_arguments_are_checked(tmp_path, capsys):
                                (["--suite", "playground", "--jaxddppo-cpu-devices", "-1", "--out", "x"],
                                 "--jaxddppo-cpu-devices=-1 must be"),
                                (["--suite", "playground", "--purejaxrl", "p", "--out", "x"], "read only by"),
-                               (["--report", str(tmp_path / "none.json"), "--out", "x"], "is not a file")):
+                               (["--report", str(tmp_path / "none.json"), "--out", "x"], "is not a file"),
+                               (["--report", "r.json", "--resume", "--out", "x"], "not --report")):
         with pytest.raises(SystemExit) as exit_info:
             learning.parse_args(arguments)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- resuming a record
+
+
+def made_up_trial(trainer: str, task: str, seed: int) -> dict:
+    """What run_trial returns for jaxddppo or PureJaxRL, without running anything: two updates."""
+    if trainer == "jaxddppo":
+        rows = [{"update": update, "env_steps": 8 * update, "wall_seconds": 1.0, "episode_return_mean": 1.0 + seed,
+                 "eval_return_mean": None, "seen_seconds": 2.0} for update in (1, 2)]
+        outputs = {"rows": rows, "summary": {"compile_seconds": 0.5, "eval_return_mean": 1.5}}
+    else:
+        outputs = {"update_env_steps": [8, 16], "update_returns": [1.0, 2.0 + seed], "call_start_seconds": 1.0,
+                   "train_seconds": 1.0, "compile_seconds": 0.5}
+    return {"trainer": trainer, "seed": seed, "command": ["made-up"], "config": None, "wall_seconds": 3.0 + seed,
+            "peak_rss_mb": 1.0, "jaxddppo_revision": None, "outputs": outputs}
+
+
+def test_a_run_saves_after_each_trial_and_runs_only_what_the_record_lacks():
+    chosen = learning.Suite("minatar", {"A": {}, "B": {}}, seeds=2, curve="training")
+    run, saved = [], []
+    first = learning.measure(chosen, lambda *trial: run.append(trial) or made_up_trial(*trial), ("purejaxrl",),
+                             after_trial=lambda trials: saved.append(len(trials)))
+    assert run == [("purejaxrl", "A", 0), ("purejaxrl", "B", 0), ("purejaxrl", "A", 1), ("purejaxrl", "B", 1)]
+    assert saved == [1, 2, 3, 4]
+
+    run.clear()
+    more = learning.Suite("minatar", {"A": {}, "B": {}}, seeds=3, curve="training")
+    trials = learning.measure(more, lambda *trial: run.append(trial) or made_up_trial(*trial), ("purejaxrl",),
+                              done=first[:3])
+    assert run == [("purejaxrl", "B", 1), ("purejaxrl", "A", 2), ("purejaxrl", "B", 2)]
+    assert trials[:3] == first[:3] and [(t["task"], t["seed"]) for t in trials[3:]] == [("B", 1), ("A", 2), ("B", 2)]
+
+
+@pytest.fixture
+def breakout_record(tmp_path):
+    """OUT/minatar.json of a 1-seed Breakout suite at 8,192 steps whose trials are all made up, and the
+    arguments that continue it."""
+    purejaxrl = tmp_path / "purejaxrl"
+    (purejaxrl / "purejaxrl").mkdir(parents=True)
+    (purejaxrl / "purejaxrl" / "ppo.py").write_text("")
+    chosen = learning.suite("minatar", ["Breakout-MinAtar"], 1, 8192, 1)
+    trials = learning.measure(chosen, made_up_trial, ("jaxddppo", "purejaxrl"))
+    record = learning.build_record(chosen, trials, "made up", purejaxrl.resolve(),
+                                   learning.cpu_description(learning.read_cpuinfo()))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "minatar.json").write_text(json.dumps(record))
+    return out, ["--suite", "minatar", "--tasks", "Breakout-MinAtar", "--seeds", "1", "--total-env-steps", "8192",
+                 "--jaxddppo-cpu-devices", "1", "--purejaxrl", str(purejaxrl), "--out", str(out)]
+
+
+def test_resume_refuses_another_runs_record_and_a_record_is_never_overwritten(breakout_record, capsys):
+    out, arguments = breakout_record
+    before = (out / "minatar.json").read_bytes()
+    assert learning.main(arguments) == learning.EXIT_BAD_ARGUMENTS
+    assert capsys.readouterr().err == f"error: {out / 'minatar.json'} exists: --resume continues its run, or give " \
+        "another --out\n"
+    longer = [*arguments[:7], "16384", *arguments[8:], "--resume"]
+    assert learning.main(longer) == learning.EXIT_BAD_ARGUMENTS
+    assert capsys.readouterr().err == (f"error: --resume: {out / 'minatar.json'} trained Breakout-MinAtar with "
+                                       "total_env_steps=8192, this run total_env_steps=16384\n")
+    (out / "other.json").write_text("[1, 2]")
+    assert learning.resume_problem(out / "other.json", {}).startswith(f"--resume: {out / 'other.json'} is not a record")
+    assert (out / "minatar.json").read_bytes() == before
+
+
+def test_resume_of_a_finished_record_trains_nothing_and_draws_the_report(breakout_record, capsys):
+    out, arguments = breakout_record
+    record = json.loads((out / "minatar.json").read_text())
+    assert learning.main([*arguments, "--resume"]) == 0
+    assert "2 trial(s) already in" in capsys.readouterr().out
+    assert json.loads((out / "minatar.json").read_text())["trials"] == record["trials"]
+    assert (out / "minatar.png").is_file() and (out / "minatar.md").is_file()
 
 
 # ---------------------------------------------------------------- a tiny real run
