@@ -604,32 +604,34 @@ def save_record(record: Mapping[str, Any], path: Path) -> None:
     os.replace(partial, path)
 
 
-def resume_problem(path: Path, record: Mapping[str, Any]) -> Optional[str]:
-    """Why the run of `record` (its trials aside) cannot continue the record at `path`, in one line;
-    None if it can: the same suite, tasks and settings, on the same machine with the same versions."""
+def record_to_resume(path: Path, record: Mapping[str, Any]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """The record at `path`, if the run of `record` (its trials aside) can continue it: the same
+    suite, tasks and settings, on the same machine with the same versions; else None and why, in
+    one line."""
     try:
         previous = json.loads(path.read_text())
         trials = previous["trials"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"--resume: {path} is not a record of this benchmark ({type(error).__name__}: {error})"
+        return None, f"--resume: {path} is not a record of this benchmark ({type(error).__name__}: {error})"
     if not isinstance(trials, list):
-        return f"--resume: {path} is not a record of this benchmark (its trials are not a list)"
+        return None, f"--resume: {path} is not a record of this benchmark (its trials are not a list)"
     ours = json.loads(json.dumps(record))
     for key in ("suite", "curve", "tasks"):
         if previous.get(key) != ours[key]:
-            return f"--resume: {path} records {key} {previous.get(key)}, this run {ours[key]}"
+            return None, f"--resume: {path} records {key} {previous.get(key)}, this run {ours[key]}"
     for task, spec in ours["specs"].items():
         theirs = previous.get("specs", {}).get(task, {})
         for setting in sorted(set(spec) | set(theirs)):
             if spec.get(setting) != theirs.get(setting):
-                return (f"--resume: {path} trained {task} with {setting}={theirs.get(setting)}, this run "
-                        f"{setting}={spec.get(setting)}")
+                return None, (f"--resume: {path} trained {task} with {setting}={theirs.get(setting)}, this run "
+                              f"{setting}={spec.get(setting)}")
     for group in ("machine", "versions"):
         theirs, mine = previous.get(group, {}), ours[group]
         for key in sorted((set(theirs) | set(mine)) - {"date"}):
             if theirs.get(key) != mine.get(key):
-                return f"--resume: {path} was measured with {key}={theirs.get(key)}, this run has {mine.get(key)}"
-    return None
+                return None, (f"--resume: {path} was measured with {key}={theirs.get(key)}, this run has "
+                              f"{mine.get(key)}")
+    return previous, None
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -703,13 +705,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = args.out / f"{chosen.name}.json"
     done: list[dict[str, Any]] = []
     if path.exists():
-        problem = resume_problem(path, record) if args.resume else \
-            f"{path} exists: --resume continues its run, or give another --out"
+        previous, problem = record_to_resume(path, record) if args.resume else \
+            (None, f"{path} exists: --resume continues its run, or give another --out")
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return EXIT_BAD_ARGUMENTS
-        previous = json.loads(path.read_text())
-        record["command"], done = previous["command"], previous["trials"]
+        record["command"], done = previous.get("command", record["command"]), previous["trials"]
     budgets = ", ".join(f"{task} {spec['total_env_steps']:,} steps" for task, spec in chosen.specs.items())
     print(f"machine: {cpu['cpu_model'] or 'CPU model unknown'}, {os.cpu_count()} CPUs; {chosen.seeds} seed(s); "
           f"{budgets}" + (f"; {len(done)} trial(s) already in {path}" if done else ""), flush=True)

@@ -214,7 +214,8 @@ def test_resume_refuses_another_runs_record_and_a_record_is_never_overwritten(br
     assert capsys.readouterr().err == (f"error: --resume: {out / 'minatar.json'} trained Breakout-MinAtar with "
                                        "total_env_steps=8192, this run total_env_steps=16384\n")
     (out / "other.json").write_text("[1, 2]")
-    assert learning.resume_problem(out / "other.json", {}).startswith(f"--resume: {out / 'other.json'} is not a record")
+    previous, problem = learning.record_to_resume(out / "other.json", {})
+    assert previous is None and problem.startswith(f"--resume: {out / 'other.json'} is not a record")
     assert (out / "minatar.json").read_bytes() == before
 
 
