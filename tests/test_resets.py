@@ -1,10 +1,11 @@
-"""Resets paid only when episodes end (`jaxddppo/envs/resets.py`).
+"""Resets paid only when episodes end (`jaxddppo/envs/base.py`).
 
 A stand-in environment counts the executions of its `reset` through `io_callback`: a step
 on which no episode ends must run none, and every episode must start from a fresh state
 of its own, alone, under `vmap` (batched members and shards) and nested `vmap`; its state
 is taken from the pool at its next step (`take_pending`). With `start_states="first"` no
-step runs a reset, and each environment restarts from its own first state.
+step runs a reset, and each environment restarts from its own first state. A gymnax game
+steps as gymnax's own `step_env` from the state its observation shows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from jax.experimental import io_callback
 
 from jaxddppo.config.options import ConfigError
-from jaxddppo.envs import BatchedEnv, EnvSpec
+from jaxddppo.envs import BatchedEnv, EnvSpec, make_env
 from jaxddppo.envs.base import (
     ResetPool,
     branch_as_cond,
@@ -321,3 +322,31 @@ def test_evaluation_steps_restart_nothing_and_match_the_resetting_steps_until_an
     assert core.resets == NUM_ENVS  # the resetting environments' one refill, none for the plain ones
     with pytest.raises(ValueError, match="no reset pool"):
         env.step(key, plain, actions)
+
+
+def test_a_gymnax_game_steps_as_gymnax_steps_it_from_the_state_its_observation_shows():
+    """Over many episodes of Asterix (its step draws enemies from the step key): each
+    observation handed out is the one of the state the next step starts from, and each step
+    is gymnax's own `step_env` from that state with the environment's step key."""
+    env = make_env("Asterix-MinAtar")
+    game, params = env.core.env, env.core.params
+    num_envs, key = 16, jax.random.key(3)
+    obs, state = env.reset(key, num_envs)
+    step = jax.jit(env.step_with_keys)
+    gymnax_step = jax.jit(jax.vmap(lambda k, s, a: game.step_env(k, s, a, params)))
+    gymnax_obs = jax.jit(jax.vmap(game.get_obs))
+    episodes_ended = 0
+    for index in range(200):
+        action_key, env_key = jax.random.split(jax.random.fold_in(key, index))
+        actions = jax.random.randint(action_key, (num_envs,), 0, env.spec.num_actions)
+        keys = jax.random.split(env_key, (num_envs, 2))
+        _, starting = take_pending(state.reset_pool, state.env_state)
+        np.testing.assert_array_equal(gymnax_obs(starting), obs)
+        expected_obs, _, expected_reward, expected_end, _ = gymnax_step(keys[:, 0], starting, actions)
+        state, result = step(keys, state, actions)
+        np.testing.assert_array_equal(result.final_obs, expected_obs)
+        np.testing.assert_array_equal(result.reward, expected_reward)
+        np.testing.assert_array_equal(result.terminated, expected_end)
+        episodes_ended += int(jnp.sum(result.terminated | result.truncated))
+        obs = result.obs
+    assert episodes_ended > 2 * num_envs
