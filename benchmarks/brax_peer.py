@@ -34,9 +34,10 @@ policy (the Gaussian's mean).
 
 With `--playground-settings` (benchmarks/learning.py) the task trains as Playground's notebooks train
 it instead: its own Brax PPO settings (`mujoco_playground.config.dm_control_suite_params.brax_ppo_config`,
-whose `num_timesteps` and `num_evals` the arguments replace), Brax's default networks and Playground's
-wrapper without the clip; the size and hyperparameter arguments are then not read, `--num-evals` may be
-as low as 2 and the steady-state fields are null where fewer than 3 training calls were made. Every
+whose `num_timesteps` and `num_evals` the arguments replace and whose `num_resets_per_eval` is set to
+train exactly `num_timesteps`: `resets_per_eval`), Brax's default networks and Playground's wrapper
+without the clip; the size and hyperparameter arguments are then not read, `--num-evals` may be as low
+as 2 and the steady-state fields are null where fewer than 3 training calls were made. Every
 report also records `process_seconds`, the process's age (benchmarks/process_clock.py).
 
 Writes one JSON object to `--out`: the settings, every report, and the fields
@@ -148,8 +149,32 @@ def playground_settings(args: argparse.Namespace) -> dict[str, Any]:
     from mujoco_playground.config import dm_control_suite_params
 
     settings = dm_control_suite_params.brax_ppo_config(args.task).to_dict()
-    return {**settings, "num_timesteps": args.total_env_steps, "num_evals": args.num_evals,
-            "num_eval_envs": args.eval_episodes, "deterministic_eval": True, "seed": args.seed}
+    settings = {**settings, "num_timesteps": args.total_env_steps, "num_evals": args.num_evals,
+                "num_eval_envs": args.eval_episodes, "deterministic_eval": True, "seed": args.seed}
+    try:
+        return {**settings, "num_resets_per_eval": resets_per_eval(settings)}
+    except ValueError as error:
+        raise SystemExit(f"brax_peer.py: {error}") from None
+
+
+def resets_per_eval(settings: dict[str, Any]) -> int:
+    """Brax's `num_resets_per_eval` that trains exactly `num_timesteps`, with Playground's restarts.
+
+    Per evaluation interval Brax runs R groups of ceil(num_timesteps / (intervals x update x R))
+    updates and restarts every environment after each group (R = num_resets_per_eval, at least 1),
+    so Playground's R = 10 trains at least 10 updates an interval whatever the budget: at its own
+    6e7 steps, 90 updates of 983,040 steps, each followed by a restart. One update a group at any
+    budget keeps that rule: R = the updates of an interval. R = 0 (no restarts) is kept."""
+    if settings["num_resets_per_eval"] == 0:
+        return 0
+    per_update = (settings["batch_size"] * settings["unroll_length"] * settings["num_minibatches"]
+                  * settings["action_repeat"])
+    intervals = max(settings["num_evals"] - 1, 1)
+    updates, rest = divmod(settings["num_timesteps"], per_update)
+    if rest or updates == 0 or updates % intervals:
+        raise ValueError(f"--total-env-steps={settings['num_timesteps']} is not a positive whole number of "
+                         f"updates of {per_update:,} steps divisible into {intervals} evaluation interval(s)")
+    return updates // intervals
 
 
 def matched_settings(args: argparse.Namespace, episode_length: int) -> dict[str, Any]:

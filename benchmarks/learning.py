@@ -104,18 +104,17 @@ PLAYGROUND_SETTINGS: dict[str, Any] = {
     "normalize_observations": True,
     "num_evals": 10,
     "eval_episodes": 128,  # Brax's default num_eval_envs
-    # Brax's default networks: a 4 x 32 policy and a 5 x 256 value MLP, swish; jaxddppo takes one
-    # list of widths for both torsos: the value network's.
+    # Brax's default networks: a 4 x 32 policy and a 5 x 256 value MLP, swish.
     "hidden_sizes": [256, 256, 256, 256, 256],
+    "policy_hidden_sizes": [32, 32, 32, 32],
     "activation": "silu",
     # Brax clips no gradient; jaxddppo's largest threshold.
     "max_grad_norm": 1000.0,
     "normalize_advantages": True,
 }
-# Env steps per task: one update of 983,040 steps, the least these settings train. One jaxddppo update of
-# CartpoleBalance took 1,380 CPU seconds on a shared 2-core CPU (benchmarks/README.md): no larger budget
-# keeps a trial near 20 minutes. Playground trains these tasks for 6e7 steps.
-PLAYGROUND_TASKS: dict[str, int] = {"CartpoleBalance": 983_040, "CheetahRun": 983_040, "WalkerWalk": 983_040}
+# Env steps per task: three updates of 983,040 steps, which keep a trial near 15-20 minutes on the
+# 2-core CPU (benchmarks/README.md). Playground trains these tasks for 6e7 steps.
+PLAYGROUND_TASKS: dict[str, int] = {"CartpoleBalance": 2_949_120, "CheetahRun": 2_949_120, "WalkerWalk": 2_949_120}
 # The training episodes that make a MinAtar trial's final return: those of its last updates.
 FINAL_UPDATES = 16
 # Seconds between looks at a jaxddppo trial's metrics.jsonl.

@@ -182,6 +182,7 @@ def _flat_batch_features(torso: nn.Module, observations: Any, observation_rank: 
 
 class ActorCriticModule(nn.Module):
     hidden_sizes: Sequence[int]
+    actor_hidden_sizes: Optional[Sequence[int]]  # the actor torso's widths, where not hidden_sizes
     activation: str
     cnn_channels: Sequence[int]
     shared_torso: bool
@@ -196,7 +197,8 @@ class ActorCriticModule(nn.Module):
     def torso_features(self, name: str, inputs: Any) -> jax.Array:
         """The features of the torso called `name` (call inside the compact method)."""
         if self.custom_torso is None:
-            return Torso(self.hidden_sizes, self.activation, self.cnn_channels, name=name)(inputs)
+            widths = self.actor_hidden_sizes if name == "actor_torso" and self.actor_hidden_sizes else self.hidden_sizes
+            return Torso(widths, self.activation, self.cnn_channels, name=name)(inputs)
         return _flat_batch_features(self.custom_torso.clone(parent=self, name=name), inputs, self.observation_rank)
 
     @nn.compact
@@ -401,10 +403,14 @@ def make_actor_critic(config: NetworkConfig, spec: EnvSpec, torso: Any = None) -
     """The actor-critic `config` describes for `spec`'s observations and actions. `torso`: the
     object given to the Python API in place of `network.torso`'s reference, if any."""
     custom = torso is not None or is_reference(config.torso)
+    if custom and config.actor_hidden_sizes is not None:
+        raise ConfigError(f"network.actor_hidden_sizes={list(config.actor_hidden_sizes)} sizes the built-in torso: "
+                          "leave it unset with your own torso")
     layout = observation_layout(config, spec, custom_torso=custom)
     custom_torso = make_user_torso(config, layout, torso) if custom else None
     common = {
         "hidden_sizes": tuple(config.hidden_sizes),
+        "actor_hidden_sizes": None if config.actor_hidden_sizes is None else tuple(config.actor_hidden_sizes),
         "activation": config.activation,
         "cnn_channels": tuple(config.cnn_channels) if layout.use_cnn else (),
         "shared_torso": config.shared_torso,

@@ -192,6 +192,8 @@ BAD_INPUTS = [
     ("eval_off_chunk_boundaries", ["eval.every_updates=3", "train.updates_per_chunk=2"], {},
      ["eval.every_updates", "3", "train.updates_per_chunk", "2"]),
     ("invalid_recurrent_core", ["network.recurrent=rnn"], {}, ["network.recurrent", "rnn", "gru", "lstm"]),
+    ("actor_widths_with_a_shared_torso", ["network.shared_torso=true", "network.actor_hidden_sizes=[8]"], {},
+     ["network.actor_hidden_sizes", "[8]", "network.shared_torso"]),
     ("invalid_start_states", ["env.start_states=cached"], {}, ["env.start_states", "cached", "fresh", "first"]),
     ("first_start_states_with_a_pool_ratio", ["env.start_states=first", "env.optimistic_reset_ratio=4"], {},
      ["env.optimistic_reset_ratio", "4", "env.start_states=first"]),

@@ -114,7 +114,8 @@ def test_playground_budgets_split_into_brax_evaluation_intervals():
     per_update = 2048 * 480
     defaults = learning.suite("playground")
     assert list(defaults.specs) == ["CartpoleBalance", "CheetahRun", "WalkerWalk"] and defaults.seeds == 2
-    assert {(spec["total_env_steps"], spec["num_evals"]) for spec in defaults.specs.values()} == {(per_update, 2)}
+    # Three updates, an evaluation after each.
+    assert {(spec["total_env_steps"], spec["num_evals"]) for spec in defaults.specs.values()} == {(3 * per_update, 4)}
     spec = learning.playground_spec("CheetahRun", 9 * per_update)
     assert (spec["num_steps"], spec["num_evals"], spec["eval_every_updates"]) == (480, 10, 1)
     assert learning.playground_spec("CheetahRun", 18 * per_update)["eval_every_updates"] == 2
@@ -131,11 +132,41 @@ def test_playground_budgets_split_into_brax_evaluation_intervals():
             validated.ppo.num_epochs) == (2048, 480, 32, 16)
     assert validated.eval.every_updates == validated.train.updates_per_chunk == 1
     assert (validated.ppo.clip_eps, validated.ppo.ent_coef, validated.ppo.gamma) == (0.3, 0.01, 0.995)
+    # Brax's default networks: a 4 x 32 policy, a 5 x 256 value MLP.
+    assert (validated.network.actor_hidden_sizes, validated.network.hidden_sizes) == ((32,) * 4, (256,) * 5)
 
     out = Path("result.json")
     brax = brax_peer.parse_args(learning.reference_arguments("playground", spec, 1, out, None)[1:])
     assert brax.playground_settings and brax.task == "CheetahRun" and brax.seed == 1
     assert (brax.total_env_steps, brax.num_evals, brax.eval_episodes) == (9 * per_update, 10, 128)
+
+
+def brax_updates(settings):
+    """The updates Brax 0.14.2's PPO trains with these settings (brax/training/agents/ppo/train.py)."""
+    per_update = (settings["batch_size"] * settings["unroll_length"] * settings["num_minibatches"]
+                  * settings["action_repeat"])
+    intervals, groups = max(settings["num_evals"] - 1, 1), max(settings["num_resets_per_eval"], 1)
+    return intervals * groups * int(np.ceil(settings["num_timesteps"] / (intervals * per_update * groups)))
+
+
+def test_brax_trains_the_playground_budget_exactly_restarting_after_every_update():
+    per_update = 1024 * 30 * 32
+    # Playground 0.2.0's DM Control settings: at its own 6e7 steps Brax trains 90 updates, a restart after each.
+    playground = {"batch_size": 1024, "unroll_length": 30, "num_minibatches": 32, "action_repeat": 1,
+                  "num_timesteps": 60_000_000, "num_evals": 10, "num_resets_per_eval": 10}
+    assert brax_updates(playground) == 90
+    for updates, num_evals in ((1, 2), (3, 4), (9, 10), (18, 10)):
+        settings = {**playground, "num_timesteps": updates * per_update, "num_evals": num_evals}
+        assert brax_updates(settings) >= 10  # as Playground sets it: at least 10 updates an interval
+        resets = brax_peer.resets_per_eval(settings)
+        assert brax_updates({**settings, "num_resets_per_eval": resets}) == updates
+        # One update per group: a restart after every update, as at Playground's own budget.
+        assert resets * (num_evals - 1) == updates
+    no_restarts = {**playground, "num_timesteps": 2 * per_update, "num_evals": 3, "num_resets_per_eval": 0}
+    assert brax_peer.resets_per_eval(no_restarts) == 0
+    for steps, num_evals in ((per_update + 1, 2), (2 * per_update, 4)):
+        with pytest.raises(ValueError, match=f"--total-env-steps={steps} is not"):
+            brax_peer.resets_per_eval({**playground, "num_timesteps": steps, "num_evals": num_evals})
 
 
 def test_arguments_are_checked(tmp_path, capsys):

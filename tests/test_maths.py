@@ -404,6 +404,23 @@ def test_network_gradients_match_float64_backpropagation():
                  eager, per_shard)
 
 
+def test_the_actor_torso_takes_its_own_widths_and_the_critic_hidden_sizes():
+    """network.actor_hidden_sizes (Brax's default networks: a narrow policy beside a wide value MLP)."""
+    spec = make_env("Pendulum-v1").spec
+
+    def widths(config: NetworkConfig) -> dict[str, list[int]]:
+        params = make_actor_critic(config, spec).init(jax.random.key(0), jnp.zeros((1, 3)))["params"]
+        return {torso: [params[torso][f"Dense_{i}"]["kernel"].shape[1] for i in range(len(params[torso]))]
+                for torso in ("actor_torso", "critic_torso")}
+
+    assert widths(NetworkConfig(hidden_sizes=(16, 16, 16), actor_hidden_sizes=(4, 8))) == {
+        "actor_torso": [4, 8], "critic_torso": [16, 16, 16]}
+    assert widths(NetworkConfig(hidden_sizes=(16, 16, 16))) == {"actor_torso": [16, 16, 16],
+                                                                "critic_torso": [16, 16, 16]}
+    with pytest.raises(ConfigError, match=r"network.actor_hidden_sizes=\[4\] sizes the built-in torso"):
+        make_actor_critic(NetworkConfig(actor_hidden_sizes=(4,)), spec, torso=nn.Dense(3))
+
+
 # In CI each shape once and each scale the networks use at least once; every pairing under -m slow.
 ORTHOGONAL_CASES = [(shape, scale) for shape in [(64, 64), (4, 64), (64, 2), (3, 3, 8, 16)]
                     for scale in [1.0, math.sqrt(2.0), 0.01]]

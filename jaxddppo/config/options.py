@@ -88,6 +88,10 @@ class NetworkConfig:
         {}, "keyword arguments of your own torso's class or factory (network.torso=module:attribute)"
     )
     hidden_sizes: tuple[int, ...] = _opt((64, 64), "widths of the MLP layers (after the CNN, if any)")
+    actor_hidden_sizes: Optional[tuple[int, ...]] = _opt(
+        None, "widths of the actor's MLP layers where they differ from the critic's (default: hidden_sizes; "
+        "separate built-in torsos only)"
+    )
     activation: str = _opt(
         "tanh", "activation of hidden layers", choices=("tanh", "relu", "gelu", "silu", "elu")
     )
@@ -377,6 +381,14 @@ def validate(config: Config) -> None:
     _validate_distributed(config.distributed)
     _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
            "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
+    actor_sizes = config.network.actor_hidden_sizes
+    if actor_sizes is not None:
+        _check(len(actor_sizes) >= 1 and min(actor_sizes) >= 1, "network.actor_hidden_sizes", list(actor_sizes),
+               "needs at least one positive width")
+        _check(not config.network.shared_torso, "network.actor_hidden_sizes", list(actor_sizes),
+               "needs separate torsos: network.shared_torso is true")
+        _check(not is_reference(config.network.torso), "network.actor_hidden_sizes", list(actor_sizes),
+               f"sizes the built-in torso: network.torso={config.network.torso!r} is your own")
     _check(all(c >= 1 for c in config.network.cnn_channels), "network.cnn_channels",
            list(config.network.cnn_channels), "widths must be positive")
 
