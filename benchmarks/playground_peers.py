@@ -131,8 +131,7 @@ def jaxddppo_config(task: str, spec: Mapping[str, Any], seed: int, run_dir: Path
                 "normalize_observations": spec["normalize_observations"], "scale_rewards": False,
                 "start_states": spec.get("start_states", "fresh")},
         "network": {"hidden_sizes": list(spec["hidden_sizes"]), "activation": spec["activation"],
-                    **({"actor_hidden_sizes": list(spec["policy_hidden_sizes"])} if "policy_hidden_sizes" in spec
-                       else {})},
+                    "actor_hidden_sizes": spec.get("policy_hidden_sizes")},
         "ppo": {
             "num_steps": spec["num_steps"], "num_epochs": spec["num_epochs"],
             "num_minibatches": spec["num_minibatches"], "learning_rate": spec["learning_rate"],

@@ -379,16 +379,14 @@ def validate(config: Config) -> None:
     _validate_pbt(config.pbt)
     _validate_wandb(config.wandb)
     _validate_distributed(config.distributed)
-    _check(len(config.network.hidden_sizes) >= 1 and min(config.network.hidden_sizes) >= 1,
-           "network.hidden_sizes", list(config.network.hidden_sizes), "needs at least one positive width")
     actor_sizes = config.network.actor_hidden_sizes
+    for key, sizes in (("hidden_sizes", config.network.hidden_sizes), ("actor_hidden_sizes", actor_sizes)):
+        if sizes is not None:
+            _check(len(sizes) >= 1 and min(sizes) >= 1, f"network.{key}", list(sizes),
+                   "needs at least one positive width")
     if actor_sizes is not None:
-        _check(len(actor_sizes) >= 1 and min(actor_sizes) >= 1, "network.actor_hidden_sizes", list(actor_sizes),
-               "needs at least one positive width")
         _check(not config.network.shared_torso, "network.actor_hidden_sizes", list(actor_sizes),
                "needs separate torsos: network.shared_torso is true")
-        _check(not is_reference(config.network.torso), "network.actor_hidden_sizes", list(actor_sizes),
-               f"sizes the built-in torso: network.torso={config.network.torso!r} is your own")
     _check(all(c >= 1 for c in config.network.cnn_channels), "network.cnn_channels",
            list(config.network.cnn_channels), "widths must be positive")
 
