@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxddppo.config.files import load_config
 from jaxddppo.config.reference import REFERENCE_COMMAND, reference_markdown
 from jaxddppo.outputs.writers import METRIC_FIELDS, SUMMARY_FIELDS
 from jaxddppo.sweep import SWEEP_CSV_FIELDS, SWEEP_SUMMARY_FIELDS
@@ -69,6 +70,11 @@ def test_experiment_header_is_at_most_three_comment_lines(path):
         header.append(line)
     comments = [line for line in header if line.startswith("#")]
     assert 1 <= len(comments) <= 3, f"{path.name}: {len(comments)} comment lines before the first key"
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda path: path.name)
+def test_experiment_config_loads(path):
+    assert load_config(str(path)).env.id
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

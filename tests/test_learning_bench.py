@@ -134,6 +134,11 @@ def test_playground_budgets_split_into_brax_evaluation_intervals():
     assert (validated.ppo.clip_eps, validated.ppo.ent_coef, validated.ppo.gamma) == (0.3, 0.01, 0.995)
     # Brax's default networks: a 4 x 32 policy, a 5 x 256 value MLP.
     assert (validated.network.actor_hidden_sizes, validated.network.hidden_sizes) == ((32,) * 4, (256,) * 5)
+    # experiments/playground_dm_control.yaml is these settings (at Playground's own budget).
+    experiment = load_config(str(REPO_ROOT / "experiments" / "playground_dm_control.yaml"), ["env.id=Pendulum-v1"])
+    assert (experiment.env, experiment.network, experiment.ppo) == (validated.env, validated.network, validated.ppo)
+    assert experiment.eval.num_episodes == validated.eval.num_episodes == 128
+    assert experiment.train.total_env_steps == 60_000_000
 
     out = Path("result.json")
     brax = brax_peer.parse_args(learning.reference_arguments("playground", spec, 1, out, None)[1:])
