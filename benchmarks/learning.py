@@ -195,6 +195,8 @@ def jaxddppo_config(suite_name: str, spec: Mapping[str, Any], seed: int, run_dir
         config["train"]["seed"] = seed
     else:
         config = playground_jaxddppo_config(spec["task"], spec, seed, run_dir)
+        # Brax recomputes advantages in every minibatch of unroll_length-step trajectories.
+        config["ppo"]["segment_length"] = spec["unroll_length"]
         config["train"]["updates_per_chunk"] = spec["eval_every_updates"]
         config["eval"]["every_updates"] = spec["eval_every_updates"]
     config["run"]["compilation_cache"] = "off"

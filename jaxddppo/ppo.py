@@ -33,6 +33,7 @@ from jaxddppo.rollout import (
     EpisodeStats,
     RolloutState,
     RunningMoments,
+    Segments,
     collect_rollout,
     flatten_rollout,
     gae,
@@ -42,8 +43,10 @@ from jaxddppo.rollout import (
     policy_step,
     prepare_observations,
     scale_rollout_rewards,
+    segment_rollout,
     sequence_batch,
     take_samples,
+    take_segments,
     take_sequences,
     update_moments,
 )
@@ -87,6 +90,7 @@ class UpdateSettings:
     critic_after_steps: bool  # a feed-forward critic with its own torso values the rollout after its steps
     normalize_observations: bool
     scale_rewards: bool
+    segment_length: int = 0  # > 0: minibatches of segments, advantages recomputed at every SGD step
     permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations  # (key, epochs, n) orders
     exact_reductions: bool = True  # train.exact_reductions
 
@@ -189,6 +193,15 @@ def make_update(
             batch = shards.map_batched(sequence_batch, transitions, advantages, obs, state.rollout.carry)
         else:
             batch = shards.map_batched(flatten_rollout, transitions, advantages, obs)
+        learning_batch = batch
+        if settings.segment_length:
+            final_obs = shards.map_batched(lambda shard_obs: prepare_observations(obs_moments, shard_obs),
+                                           transitions.final_obs)
+            learning_batch = shards.map_batched(
+                lambda shard, reward, shard_obs, shard_final_obs: segment_rollout(
+                    shard, reward, shard_obs, shard_final_obs, settings.segment_length),
+                transitions, rewards, obs, final_obs,
+            )
         if settings.normalize_observations:
             obs_moments = update_moments(
                 obs_moments, shards.map_batched(merge_time_and_batch, transitions.obs), shards
@@ -196,7 +209,7 @@ def make_update(
 
         # 3. Epochs of minibatches, one optimizer step each.
         params, opt_state, info = run_epochs(
-            params, opt_state, batch, key_epochs, loss_apply_fn(network), hyperparams, settings
+            params, opt_state, learning_batch, key_epochs, loss_apply_fn(network), hyperparams, settings
         )
 
         # 4. Metrics: means over shards of per-shard means are global means (every shard has
@@ -238,7 +251,7 @@ def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
 def run_epochs(
     params: Any,
     opt_state: Any,
-    batch: Batch,
+    batch: Batch | Segments,
     keys: jax.Array,
     apply_fn: Callable,
     hyperparams: PPOHyperparams,
@@ -248,29 +261,44 @@ def run_epochs(
     [L, ...]), shard `i` shuffling with `keys[i]`; returns each shard's loss info of every
     SGD step [L, E, M].
 
-    Feed-forward minibatches are random samples; recurrent ones are random whole
-    environment sequences (truncated BPTT over the rollout).
+    Feed-forward minibatches are random samples, or with `settings.segment_length` random
+    segments (`batch` is then `Segments`) whose advantages each SGD step recomputes; recurrent
+    ones are random whole environment sequences (truncated BPTT over the rollout).
     """
     shards = settings.shards
-    num_items = settings.num_envs_per_shard * (1 if settings.recurrent else settings.num_steps)
+    if settings.segment_length:
+        num_items = settings.num_envs_per_shard * settings.num_steps // settings.segment_length
+    else:
+        num_items = settings.num_envs_per_shard * (1 if settings.recurrent else settings.num_steps)
     indices = shards.map_batched(lambda key: epoch_indices(
         key, settings.num_epochs, settings.num_minibatches, num_items, settings.permutations), keys)
-    if settings.recurrent:
-        advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
-        take = take_sequences
+    if settings.segment_length:
+        advantages = None
+
+        def minibatch_of(params: Any, index: jax.Array, advantage: None) -> Batch:
+            segments = shards.map_batched(take_segments, batch, index)
+            return segment_minibatch(params, segments, apply_fn, hyperparams, settings.normalize_advantages, shards)
     else:
-        if settings.normalize_advantages:
-            advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
+        if settings.recurrent:
+            advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
+            take = take_sequences
         else:
-            advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
-        take = take_samples
+            if settings.normalize_advantages:
+                advantages = normalize_minibatch_advantages(batch.advantage, indices, shards)
+            else:
+                advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
+            take = take_samples
+
+        def minibatch_of(params: Any, index: jax.Array, advantage: jax.Array) -> Batch:
+            return shards.map_batched(
+                lambda shard, shard_index, shard_advantage: take(shard, shard_index).replace(advantage=shard_advantage),
+                batch, index, advantage,
+            )
     optimizer = make_optimizer(hyperparams, settings)
 
-    def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[Any, Any], LossInfo]:
+    def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, Any]) -> tuple[tuple[Any, Any], LossInfo]:
         params, opt_state = carry
-        minibatches = shards.map_batched(
-            lambda shard, index, advantage: take(shard, index).replace(advantage=advantage), batch, *xs
-        )
+        minibatches = minibatch_of(params, *xs)
         grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), infos
@@ -324,6 +352,49 @@ def sequence_advantages(
         return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
     per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
     return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
+
+
+def segment_minibatch(
+    params: Any, segments: Segments, apply_fn: Callable, hyperparams: PPOHyperparams, normalize: bool,
+    shards: DeviceShards,
+) -> Batch:
+    """The flat minibatch [L, S x n] of the device's shards' `segments` (leaves [L, S, n, ...]),
+    with advantages (GAE within each segment) and value targets from the current value
+    network, the advantages normalised over the global minibatch if asked.
+
+    A step bootstraps from the current value of the next step's observation, the last step
+    from that of the observation it reached; a truncation inside a segment, whose reached
+    observation is not the next step's, from the rollout's value of it.
+    """
+
+    def recompute(segment: Segments) -> tuple[jax.Array, jax.Array]:
+        value = apply_fn(params, merge_time_and_batch(segment.obs))[1].reshape(segment.reward.shape)
+        last_value = apply_fn(params, segment.last_obs)[1]
+        following_value = jnp.concatenate([value[1:], last_value[None]])
+        inside = (jnp.arange(value.shape[0]) < value.shape[0] - 1)[:, None]
+        next_value = jnp.where(inside & segment.truncated, segment.next_value, following_value)
+        advantage = gae(segment.reward, value, next_value, segment.terminated, segment.truncated,
+                        hyperparams.gamma, hyperparams.gae_lambda)
+        return advantage, value
+
+    advantages, values = shards.map(recompute, segments)
+    normalized = advantages
+    if normalize:
+        mean = shards.mean(shards.map(jnp.mean, advantages))
+        variance = shards.mean(shards.map(lambda shard: jnp.mean(jnp.square(shard - mean)), advantages))
+        inverse_std = 1.0 / (jnp.sqrt(variance) + 1e-8)  # a product: see normalize_minibatch_advantages
+        normalized = shards.map_batched(lambda shard: (shard - mean) * inverse_std, advantages)
+    return shards.map_batched(
+        lambda segment, advantage, normalized_advantage, value: Batch(
+            obs=merge_time_and_batch(segment.obs),
+            action=merge_time_and_batch(segment.action),
+            log_prob=merge_time_and_batch(segment.log_prob),
+            value=merge_time_and_batch(segment.value),
+            advantage=merge_time_and_batch(normalized_advantage),
+            target=merge_time_and_batch(advantage + value),
+        ),
+        segments, advantages, normalized, values,
+    )
 
 
 def ppo_loss(

@@ -263,6 +263,49 @@ def take_sequences(batch: Batch, env_index: jax.Array) -> Batch:
 
 
 @struct.dataclass
+class Segments:
+    """A rollout cut into segments of consecutive steps of one environment: leaves [S, N, ...]
+    (S steps each; N = T / S x B segments), with what recomputing their advantages needs."""
+
+    obs: Any  # as the network saw them
+    last_obs: Any  # leaves [N, ...]: the observation each segment's last step reached, normalised as `obs`
+    action: jax.Array
+    log_prob: jax.Array
+    value: jax.Array  # V_old(obs), for value clipping
+    next_value: jax.Array  # V_old(final_obs): what a truncation inside a segment bootstraps from
+    reward: jax.Array  # scaled, where the run scales rewards
+    terminated: jax.Array
+    truncated: jax.Array
+
+
+def segment_rollout(transitions: Transition, rewards: jax.Array, obs: Any, final_obs: Any,
+                    segment_length: int) -> Segments:
+    """The rollout [T, B, ...] as [S, T / S x B, ...] segments of `segment_length` = S steps;
+    segment k x B + b is steps k S to (k + 1) S - 1 of environment b. `rewards`, `obs` and
+    `final_obs` are as the update uses them (scaled, normalised)."""
+
+    def cut(x: jax.Array) -> jax.Array:
+        num_steps = x.shape[0]
+        x = x.reshape((num_steps // segment_length, segment_length) + x.shape[1:])
+        return jnp.swapaxes(x, 0, 1).reshape((segment_length, -1) + x.shape[3:])
+
+    return Segments(
+        obs=jax.tree.map(cut, obs),
+        last_obs=jax.tree.map(lambda x: cut(x)[-1], final_obs),
+        **{name: cut(getattr(transitions, name)) for name in ("action", "log_prob", "value", "next_value")},
+        reward=cut(rewards),
+        terminated=cut(transitions.terminated),
+        truncated=cut(transitions.truncated),
+    )
+
+
+def take_segments(segments: Segments, index: jax.Array) -> Segments:
+    """The segments `index` [n] of `segments`, steps in order."""
+    return jax.tree.map(lambda x: x[:, index], segments.replace(last_obs=None)).replace(
+        last_obs=jax.tree.map(lambda x: x[index], segments.last_obs))
+
+
+@struct.dataclass
 class RunningMoments:
     """Moments of every sample seen so far, over all shards. `mean` and `m2` have the
     samples' structure: an array of the leaf's shape per float leaf, None per bool leaf."""

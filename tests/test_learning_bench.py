@@ -132,6 +132,7 @@ def test_playground_budgets_split_into_brax_evaluation_intervals():
             validated.ppo.num_epochs) == (2048, 480, 32, 16)
     assert validated.eval.every_updates == validated.train.updates_per_chunk == 1
     assert (validated.ppo.clip_eps, validated.ppo.ent_coef, validated.ppo.gamma) == (0.3, 0.01, 0.995)
+    assert validated.ppo.segment_length == 30  # Brax recomputes advantages per 30-step trajectory
     # Brax's default networks: a 4 x 32 policy, a 5 x 256 value MLP.
     assert (validated.network.actor_hidden_sizes, validated.network.hidden_sizes) == ((32,) * 4, (256,) * 5)
     # experiments/playground_dm_control.yaml is these settings (at Playground's own budget).

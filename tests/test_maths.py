@@ -1,6 +1,8 @@
 """The maths of the trainer against independent float64 NumPy references.
 
 * `rollout.gae` against a plain backward loop, and two hand-worked cases.
+* `ppo.segment_minibatch` (ppo.segment_length): GAE of each segment with the current
+  values, normalised over the shards' minibatch, against the same loop.
 * `ppo.ppo_loss` (value, LossInfo and gradient) against a closed form on a tiny
   batch whose "network" is its own parameters.
 * `networks.Categorical` / `DiagGaussian` against closed forms.
@@ -38,8 +40,9 @@ from jaxddppo.ppo import (
     ppo_loss,
     random_permutations,
     run_epochs,
+    segment_minibatch,
 )
-from jaxddppo.rollout import Batch, gae
+from jaxddppo.rollout import Batch, Segments, Transition, gae, segment_rollout, take_segments
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -535,6 +538,92 @@ def test_minibatch_steps_are_clipped_adam_over_every_parameter(permutations):
         moved = np.abs(expected[name] - params[name]).max()
         assert moved > 0.05, (name, moved)  # steps large enough for a wrong update to show
         np.testing.assert_allclose(np.asarray(new_params[name]), expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# --------------------------------------------------------------------------- segments
+
+
+def test_segments_are_consecutive_steps_of_one_environment():
+    """Segment k x B + b holds steps k S .. k S + S - 1 of environment b, every field alike, and
+    the observation its last step reached."""
+    num_steps, num_envs, length = 6, 3, 2
+    step_env = (np.arange(num_steps)[:, None] * 100 + np.arange(num_envs)).astype(np.float32)  # 100 t + b
+    field = jnp.asarray(step_env)
+    obs = jnp.stack([field, -field], axis=-1)  # [T, B, 2]
+    transitions = Transition(obs=obs, action=field, log_prob=field + 1, value=field + 2, reward=field,
+                             terminated=field > 0, truncated=field > 0, final_obs=obs, next_value=field + 3)
+    segments = segment_rollout(transitions, 2 * field, obs, obs + 0.5, length)
+    num_segments = num_steps // length * num_envs
+    for k in range(num_steps // length):
+        for b in range(num_envs):
+            steps = step_env[k * length:(k + 1) * length, b]
+            column = k * num_envs + b
+            for name, offset in (("action", 0), ("log_prob", 1), ("value", 2), ("next_value", 3)):
+                np.testing.assert_array_equal(np.asarray(getattr(segments, name))[:, column], steps + offset,
+                                              err_msg=name)
+            np.testing.assert_array_equal(np.asarray(segments.reward)[:, column], 2 * steps)
+            np.testing.assert_array_equal(np.asarray(segments.obs)[:, column], np.stack([steps, -steps], -1))
+            np.testing.assert_array_equal(np.asarray(segments.last_obs)[column], [steps[-1] + 0.5, -steps[-1] + 0.5])
+    assert segments.terminated.shape == (length, num_segments) and segments.terminated.dtype == jnp.bool_
+    index = jnp.asarray([7, 2, 4])
+    taken = take_segments(segments, index)
+    for name in Segments.__dataclass_fields__:
+        axis = 0 if name == "last_obs" else 1
+        expected = np.take(np.asarray(getattr(segments, name)), index, axis)
+        np.testing.assert_array_equal(getattr(taken, name), expected, err_msg=name)
+
+
+def linear_value_apply(params, obs):
+    """A "network" with no policy and a value linear in the observation [N, D]."""
+    return None, obs @ params["w"] + params["b"]
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_segment_minibatch_recomputes_gae_with_the_current_values(normalize):
+    """Two shards of 4 segments of 5 steps: the advantages are GAE within each segment with
+    the given parameters' values of the observations acted on and reached (truncations
+    bootstrapped, terminations not; a truncation inside a segment from the rollout's
+    next_value), normalised over both shards' 40 samples together; the targets add the
+    current values; everything else is the rollout's, flattened step-major."""
+    num_shards, length, num_segments, obs_dim = 2, 5, 4, 3
+    rng = np.random.default_rng(5)
+    gae_inputs = [random_gae_inputs(seed, length + 1, num_segments) for seed in (0, 1)]
+    reward, _, rollout_next_value, terminated, truncated = (np.stack(x)[:, :length] for x in zip(*gae_inputs))
+    assert truncated[:, :-1].any() and truncated[:, -1].any() and terminated[:, -1].any()
+    obs = rng.normal(size=(num_shards, length + 1, num_segments, obs_dim)).astype(np.float32)
+    # Where an episode ends, the observation reached is not the next one acted on.
+    done = (terminated | truncated)[..., None]
+    final_obs = np.where(done, rng.normal(size=(num_shards, length, num_segments, obs_dim)), obs[:, 1:])
+    final_obs, obs = final_obs.astype(np.float32), obs[:, :length]
+    old_value = rng.normal(size=reward.shape).astype(np.float32)
+    params = {"w": rng.normal(size=obs_dim).astype(np.float32), "b": np.float32(0.3)}
+    segments = Segments(obs=obs, last_obs=final_obs[:, -1], action=np.zeros(reward.shape, np.int32),
+                        log_prob=rng.normal(size=reward.shape).astype(np.float32), value=old_value,
+                        next_value=rollout_next_value, reward=reward, terminated=terminated, truncated=truncated)
+    hp = hyperparams()
+    jparams = jax.tree.map(jnp.asarray, params)
+
+    def per_device(shard_segments):
+        return segment_minibatch(jparams, shard_segments, linear_value_apply, hp, normalize,
+                                 sharding.DeviceShards(exact=True))
+
+    mesh = sharding.make_mesh(jax.devices()[:1])
+    result = global_arrays.all_shards(sharding.shard_parallel(per_device, mesh)(jax.tree.map(jnp.asarray, segments)))
+
+    value = obs.astype(np.float64) @ params["w"] + params["b"]
+    next_value = final_obs.astype(np.float64) @ params["w"] + params["b"]
+    next_value[:, :-1] = np.where(truncated[:, :-1], rollout_next_value[:, :-1], next_value[:, :-1])
+    advantage = np.stack([gae_reference(reward[i], value[i], next_value[i], terminated[i], truncated[i], 0.99, 0.95)
+                          for i in range(num_shards)])
+    expected = (advantage - advantage.mean()) / (advantage.std() + 1e-8) if normalize else advantage
+
+    def flat(x):
+        return np.reshape(x, (num_shards, length * num_segments) + np.shape(x)[3:])
+
+    np.testing.assert_allclose(result.advantage, flat(expected), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(result.target, flat(advantage + value), rtol=RTOL, atol=ATOL)
+    for name in ("obs", "action", "log_prob", "value"):
+        np.testing.assert_array_equal(getattr(result, name), flat(getattr(segments, name)), err_msg=name)
 
 
 # --------------------------------------------------------------------------- distributions

@@ -178,6 +178,7 @@ def pendulum_config(yaml_name: str = "pendulum.yaml", overrides: Optional[dict] 
 
 @pytest.mark.parametrize("yaml_name,overrides", [
     ("pendulum.yaml", {"env.scale_rewards": True, "env.normalize_observations": True}),
+    ("pendulum.yaml", {"env.scale_rewards": True, "env.normalize_observations": True, "ppo.segment_length": 4}),
     pytest.param("memory_chain.yaml", {}, marks=pytest.mark.slow),
 ])
 def test_continuous_and_recurrent_runs_are_bit_identical_on_one_and_four_devices(yaml_name, overrides):
@@ -302,10 +303,23 @@ def test_topology_sizes():
     ({"env": {"num_envs": 6}, "train": {"num_shards": 4}}, "env.num_envs=6 is not divisible by train.num_shards"),
     ({"ppo": {"num_minibatches": 3}}, "ppo.num_minibatches=3"),
     ({"train": {"total_env_steps": 10}}, "train.total_env_steps=10"),
+    ({"ppo": {"num_steps": 8, "segment_length": 4, "num_minibatches": 4}},
+     "env.num_envs/train.num_shards x ppo.num_steps/ppo.segment_length=2 is not divisible by ppo.num_minibatches=4"),
 ])
 def test_topology_errors_name_keys_and_numbers(values, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
         topology.make_topology(from_dict(values), num_devices=4)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"ppo": {"segment_length": -1}}, "ppo.segment_length=-1 is invalid: must be >= 0"),
+    ({"ppo": {"num_steps": 8, "segment_length": 3}}, "ppo.segment_length=3 is invalid: must divide ppo.num_steps=8"),
+    ({"ppo": {"segment_length": 4}, "network": {"recurrent": "gru"}},
+     "ppo.segment_length=4 is invalid: needs a feed-forward network, not network.recurrent=gru"),
+])
+def test_segment_length_refusals_name_the_key_and_value(values, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        from_dict(values)
 
 
 def test_minibatch_advantages_normalised_over_all_shards():

@@ -123,6 +123,11 @@ class PPOConfig:
     ent_coef: float = _opt(0.01, "entropy bonus coefficient", traced_bounds=(0.0, 1.0))
     max_grad_norm: float = _opt(0.5, "global-norm gradient clipping threshold", traced_bounds=(1e-3, 1e3))
     normalize_advantages: bool = _opt(True, "normalise advantages over each global minibatch")
+    segment_length: int = _opt(
+        0, "0: minibatches of single steps, with the rollout's advantages. L > 0: minibatches of L-step segments of "
+        "one environment (ppo.num_steps a multiple of L), whose advantages and value targets the current value "
+        "network recomputes before every SGD step (Brax PPO's scheme, L its unroll_length); feed-forward networks"
+    )
 
 
 @dataclass(frozen=True)
@@ -376,6 +381,13 @@ def validate(config: Config) -> None:
         _check((value := getattr(config.ppo, key)) > 0, f"ppo.{key}", value, "must be > 0")
     for key in ("vf_coef", "ent_coef"):
         _check((value := getattr(config.ppo, key)) >= 0, f"ppo.{key}", value, "must be >= 0")
+    segment_length = config.ppo.segment_length
+    _check(segment_length >= 0, "ppo.segment_length", segment_length, "must be >= 0 (0: single-step minibatches)")
+    if segment_length:
+        _check(config.ppo.num_steps % segment_length == 0, "ppo.segment_length", segment_length,
+               f"must divide ppo.num_steps={config.ppo.num_steps}")
+        _check(config.network.recurrent is None, "ppo.segment_length", segment_length,
+               f"needs a feed-forward network, not network.recurrent={config.network.recurrent}: set it to 0")
     _validate_pbt(config.pbt)
     _validate_wandb(config.wandb)
     _validate_distributed(config.distributed)

@@ -56,6 +56,11 @@ def make_topology(config: Config, num_devices: Optional[int] = None,
     samples_per_shard = num_envs_per_shard * config.ppo.num_steps
     _require_divisible("env.num_envs/train.num_shards x ppo.num_steps", samples_per_shard, "ppo.num_minibatches",
                        config.ppo.num_minibatches, "change ppo.num_minibatches, ppo.num_steps or env.num_envs")
+    if config.ppo.segment_length:
+        _require_divisible("env.num_envs/train.num_shards x ppo.num_steps/ppo.segment_length",
+                           samples_per_shard // config.ppo.segment_length, "ppo.num_minibatches",
+                           config.ppo.num_minibatches, "minibatches are whole segments; change "
+                           "ppo.num_minibatches, ppo.segment_length or env.num_envs")
     if config.network.recurrent is not None:
         _require_divisible(f"env.num_envs/{shard_key}", num_envs_per_shard, "ppo.num_minibatches",
                            config.ppo.num_minibatches, f"network.recurrent={config.network.recurrent} minibatches "

@@ -292,6 +292,7 @@ def update_settings(config: Config, topology: Topology) -> UpdateSettings:
         critic_after_steps=config.network.recurrent is None and not config.network.shared_torso,
         normalize_observations=config.env.normalize_observations,
         scale_rewards=config.env.scale_rewards,
+        segment_length=config.ppo.segment_length,
         permutations=cpu_tuning.sort_permutations if cpu_tuning.is_on(config) else random_permutations,
         exact_reductions=config.train.exact_reductions,
     )
