@@ -4,7 +4,8 @@
 1. collect: each shard steps its environments under the policy (`rollout.collect_rollout`);
 2. advantages: rewards scaled if asked, GAE per shard (`rollout.gae`), the learning batch;
 3. epochs: each epoch a fresh order cut into minibatches (`epoch_indices`), advantages
-   normalised over each global minibatch, the loss's gradient of every shard averaged
+   normalised over each global minibatch (with `ppo.segment_length`, recomputed for each
+   minibatch first: `segment_minibatch`), the loss's gradient of every shard averaged
    over all shards (`mean_gradients`), one optimizer step per minibatch;
 4. metrics: every statistic reduced over all shards.
 

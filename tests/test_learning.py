@@ -1,6 +1,7 @@
-"""Learning: the README's CartPole experiment solves the task within its budget, and the
-policy loaded back from its checkpoint reproduces its evaluation; the MinAtar experiment
-learns SpaceInvaders at a tenth of its budget (slow)."""
+"""Learning: the README's CartPole experiment solves the task within its budget, with
+advantages recomputed in every minibatch too, and the policy loaded back from its checkpoint
+reproduces its evaluation; the MinAtar experiment learns SpaceInvaders at a tenth of its
+budget (slow)."""
 
 from pathlib import Path
 
@@ -29,6 +30,15 @@ def test_cartpole_experiment_learns_and_its_loaded_policy_reproduces_the_evaluat
     assert stats["return_mean"] == result.summary["eval_return_mean"]
     assert stats["return_std"] == result.summary["eval_return_std"]
     assert stats["length_mean"] == result.summary["eval_length_mean"]
+
+
+def test_cartpole_experiment_learns_with_advantages_recomputed_in_every_minibatch(tmp_path):
+    """ppo.segment_length=16: minibatches of 16-step segments, their advantages recomputed."""
+    config = load_config(str(EXPERIMENTS / "cartpole.yaml"),
+                         [f"run.dir={tmp_path / 'run'}", "run.progress=false", "ppo.segment_length=16"])
+    result = run(config, devices=jax.devices()[:1])
+    assert result.summary["eval_return_mean"] >= 400, result.summary
+    assert result.summary["final_episode_return"] >= 400, result.summary
 
 
 # PureJaxRL's MinAtar notebook (examples/brax_minatar.ipynb, the settings of experiments/minatar.yaml):
