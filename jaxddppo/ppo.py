@@ -44,6 +44,7 @@ from jaxddppo.rollout import (
     policy_step,
     prepare_observations,
     scale_rollout_rewards,
+    segment_minibatch,
     segment_rollout,
     sequence_batch,
     take_samples,
@@ -51,7 +52,7 @@ from jaxddppo.rollout import (
     take_sequences,
     update_moments,
 )
-from jaxddppo.sharding import DeviceShards, field_layouts
+from jaxddppo.sharding import DeviceShards, field_layouts, normalize_minibatch_advantages, sequence_advantages
 
 
 def _hyperparams_from_config(cls: type, config: PPOConfig) -> Any:
@@ -278,7 +279,8 @@ def run_epochs(
 
         def minibatch_of(params: Any, index: jax.Array, advantage: None) -> Batch:
             segments = shards.map_batched(take_segments, batch, index)
-            return segment_minibatch(params, segments, apply_fn, hyperparams, settings.normalize_advantages, shards)
+            return segment_minibatch(params, segments, apply_fn, hyperparams.gamma, hyperparams.gae_lambda,
+                                     settings.normalize_advantages, shards)
     else:
         if settings.recurrent:
             advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
@@ -319,83 +321,6 @@ def epoch_indices(key: jax.Array, num_epochs: int, num_minibatches: int, num_ite
     range(num_items) per epoch, cut into minibatches. The items are a shard's samples
     (feed-forward) or its environments' whole sequences (recurrent)."""
     return permutations(key, num_epochs, num_items).reshape(num_epochs, num_minibatches, -1)
-
-
-def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
-    """Advantages of every minibatch, normalised over that global minibatch (all shards).
-
-    `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
-    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
-    together, around a shift common to every shard (the rollout mean) so
-    E[x^2] - E[x]^2 does not cancel.
-    """
-    shift = shards.mean(shards.map(jnp.mean, advantages))
-    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
-    mean, mean_square = shards.mean(shards.map(
-        lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
-    ))
-    std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
-    # A product, not a division: XLA may rewrite a division into a product by the
-    # reciprocal, depending on the surrounding program, which would change the last bits.
-    inverse_std = 1.0 / (std + 1e-8)
-    return shards.map_batched(lambda shard: (shard - mean[..., None]) * inverse_std[..., None], centered)
-
-
-def sequence_advantages(
-    advantages: jax.Array, env_indices: jax.Array, normalize: bool, shards: DeviceShards
-) -> jax.Array:
-    """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
-    `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
-    shards_per_device, num_steps, num_envs = advantages.shape
-    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
-    flat_advantages = advantages.reshape(shards_per_device, -1)
-    if not normalize:
-        return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
-    per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
-    return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
-
-
-def segment_minibatch(
-    params: Any, segments: Segments, apply_fn: Callable, hyperparams: PPOHyperparams, normalize: bool,
-    shards: DeviceShards,
-) -> Batch:
-    """The flat minibatch [L, S x n] of the device's shards' `segments` (leaves [L, S, n, ...]),
-    with advantages (GAE within each segment) and value targets from the current value
-    network, the advantages normalised over the global minibatch if asked.
-
-    A step bootstraps from the current value of the next step's observation, the last step
-    from that of the observation it reached; a truncation inside a segment, whose reached
-    observation is not the next step's, from the rollout's value of it.
-    """
-
-    def recompute(segment: Segments) -> tuple[jax.Array, jax.Array]:
-        value = apply_fn(params, merge_time_and_batch(segment.obs))[1].reshape(segment.reward.shape)
-        last_value = apply_fn(params, segment.last_obs)[1]
-        following_value = jnp.concatenate([value[1:], last_value[None]])
-        inside = (jnp.arange(value.shape[0]) < value.shape[0] - 1)[:, None]
-        next_value = jnp.where(inside & segment.truncated, segment.next_value, following_value)
-        advantage = gae(segment.reward, value, next_value, segment.terminated, segment.truncated,
-                        hyperparams.gamma, hyperparams.gae_lambda)
-        return advantage, value
-
-    advantages, values = shards.map(recompute, segments)
-    normalized = advantages
-    if normalize:
-        mean = shards.mean(shards.map(jnp.mean, advantages))
-        variance = shards.mean(shards.map(lambda shard: jnp.mean(jnp.square(shard - mean)), advantages))
-        inverse_std = 1.0 / (jnp.sqrt(variance) + 1e-8)  # a product: see normalize_minibatch_advantages
-        normalized = shards.map_batched(lambda shard: (shard - mean) * inverse_std, advantages)
-    return shards.map_batched(
-        lambda segment, advantage, normalized_advantage, value: Batch(
-            obs=merge_time_and_batch(segment.obs),
-            action=merge_time_and_batch(segment.action),
-            log_prob=merge_time_and_batch(segment.log_prob),
-            value=merge_time_and_batch(segment.value),
-            advantage=merge_time_and_batch(normalized_advantage),
-            target=merge_time_and_batch(advantage + value),
-        ),
-        segments, advantages, normalized, values,
-    )
 
 
 def ppo_loss(

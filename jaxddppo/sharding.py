@@ -89,6 +89,40 @@ class DeviceShards:
         return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
 
 
+def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
+    """Advantages of every minibatch, normalised over that global minibatch (all shards).
+
+    `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
+    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
+    together, around a shift common to every shard (the rollout mean) so
+    E[x^2] - E[x]^2 does not cancel.
+    """
+    shift = shards.mean(shards.map(jnp.mean, advantages))
+    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
+    mean, mean_square = shards.mean(shards.map(
+        lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
+    ))
+    std = jnp.sqrt(jnp.maximum(mean_square - jnp.square(mean), 0.0))
+    # A product, not a division: XLA may rewrite a division into a product by the
+    # reciprocal, depending on the surrounding program, which would change the last bits.
+    inverse_std = 1.0 / (std + 1e-8)
+    return shards.map_batched(lambda shard: (shard - mean[..., None]) * inverse_std[..., None], centered)
+
+
+def sequence_advantages(
+    advantages: jax.Array, env_indices: jax.Array, normalize: bool, shards: DeviceShards
+) -> jax.Array:
+    """Each sequence minibatch's advantages [L, E, M, T, n] from the device's shards'
+    `advantages` [L, T, B], normalised over the global minibatch if asked (as for flat minibatches)."""
+    shards_per_device, num_steps, num_envs = advantages.shape
+    flat_indices = jnp.arange(num_steps)[:, None] * num_envs + env_indices[..., None, :]  # [L, E, M, T, n]
+    flat_advantages = advantages.reshape(shards_per_device, -1)
+    if not normalize:
+        return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
+    per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
+    return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
+
+
 def all_members(tree: Any) -> Any:
     """A population's per-member values gathered in member order: leaves
     [members_per_device, ...] on each device in, [num_members, ...] out, the same on every

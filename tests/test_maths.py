@@ -1,7 +1,7 @@
 """The maths of the trainer against independent float64 NumPy references.
 
 * `rollout.gae` against a plain backward loop, and two hand-worked cases.
-* `ppo.segment_minibatch` (ppo.segment_length): GAE of each segment with the current
+* `rollout.segment_minibatch` (ppo.segment_length): GAE of each segment with the current
   values, normalised over the shards' minibatch, against the same loop.
 * `ppo.ppo_loss` (value, LossInfo and gradient) against a closed form on a tiny
   batch whose "network" is its own parameters.
@@ -40,9 +40,8 @@ from jaxddppo.ppo import (
     ppo_loss,
     random_permutations,
     run_epochs,
-    segment_minibatch,
 )
-from jaxddppo.rollout import Batch, Segments, Transition, gae, segment_rollout, take_segments
+from jaxddppo.rollout import Batch, Segments, Transition, gae, segment_minibatch, segment_rollout, take_segments
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -604,8 +603,8 @@ def test_segment_minibatch_recomputes_gae_with_the_current_values(normalize):
     jparams = jax.tree.map(jnp.asarray, params)
 
     def per_device(shard_segments):
-        return segment_minibatch(jparams, shard_segments, linear_value_apply, hp, normalize,
-                                 sharding.DeviceShards(exact=True))
+        return segment_minibatch(jparams, shard_segments, linear_value_apply, hp.gamma, hp.gae_lambda,
+                                 normalize, sharding.DeviceShards(exact=True))
 
     mesh = sharding.make_mesh(jax.devices()[:1])
     result = global_arrays.all_shards(sharding.shard_parallel(per_device, mesh)(jax.tree.map(jnp.asarray, segments)))

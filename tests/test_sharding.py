@@ -34,8 +34,9 @@ from jaxddppo.cpu import tuning as cpu_tuning
 from jaxddppo.distributed import global_arrays, multiprocess, topology
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic
-from jaxddppo.ppo import PPOHyperparams, make_update, mean_gradients, normalize_minibatch_advantages
+from jaxddppo.ppo import PPOHyperparams, make_update, mean_gradients
 from jaxddppo.rollout import Batch
+from jaxddppo.sharding import normalize_minibatch_advantages
 from jaxddppo.train import run
 from jaxddppo.training.experiment import ShardInputs, abstract_update_count, build, update_count
 
