@@ -145,12 +145,15 @@ class BatchedEnv:
             raise ConfigError(f"env.optimistic_reset_ratio={optimistic_reset_ratio} is invalid with "
                               "env.start_states='first', which keeps no pool of fresh states: leave it at 1")
         self.core = core
+        # Jitted once, so that every program stepping or restarting these environments (the
+        # update, the evaluations, the initialisation) reuses one trace of the core's functions.
+        self._core_reset, self._core_step = jax.jit(core.reset), jax.jit(core.step)
         self.spec = core.spec
         self.optimistic_reset_ratio = optimistic_reset_ratio
         self.start_states = start_states
 
     def _reset_batch(self, keys: jax.Array) -> tuple[Any, Any]:
-        obs, env_state = jax.vmap(self.core.reset)(keys)
+        obs, env_state = jax.vmap(self._core_reset)(keys)
         return float_observation(obs), strongly_typed(env_state)
 
     def reset(self, key: jax.Array, num_envs: int, auto_reset: bool = True) -> tuple[Any, EpisodeState]:
@@ -204,7 +207,7 @@ class BatchedEnv:
                        action: jax.Array) -> tuple[EpisodeState, StepResult]:
         """The core's step of every environment and the episode statistics; `obs` is the
         observation reached (no restart) and the episode counters restart where one ended."""
-        obs, env_state, reward, terminated, truncated = jax.vmap(self.core.step)(
+        obs, env_state, reward, terminated, truncated = jax.vmap(self._core_step)(
             step_keys, state.env_state, self._env_action(action)
         )
         reward = jnp.asarray(reward, jnp.float32)
