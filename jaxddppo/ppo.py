@@ -3,10 +3,10 @@
 
 1. collect: each shard steps its environments under the policy (`rollout.collect_rollout`);
 2. advantages: rewards scaled if asked, GAE per shard (`rollout.gae`), the learning batch;
-3. epochs: each epoch a fresh order cut into minibatches (`epoch_indices`), advantages
+3. epochs: each epoch a fresh order cut into minibatches (`sharding.epoch_indices`), advantages
    normalised over each global minibatch (with `ppo.segment_length`, recomputed for each
-   minibatch first: `segment_minibatch`), the loss's gradient of every shard averaged
-   over all shards (`mean_gradients`), one optimizer step per minibatch;
+   minibatch by the value network: `segment_gradients`), the loss's gradient of every shard
+   averaged over all shards (`mean_gradients`), one optimizer step per minibatch;
 4. metrics: every statistic reduced over all shards.
 
 `sharding.shard_parallel` runs `update` on every device; it handles the device's shards
@@ -30,29 +30,15 @@ from jaxddppo.envs import BatchedEnv
 from jaxddppo.envs.base import strongly_typed
 from jaxddppo.networks import ActorCritic, unroll
 from jaxddppo.rollout import (
-    Batch,
-    EpisodeStats,
-    RolloutState,
-    RunningMoments,
-    Segments,
-    collect_rollout,
-    flatten_rollout,
-    gae,
-    init_moments,
-    init_observation_moments,
-    merge_time_and_batch,
-    policy_step,
-    prepare_observations,
-    scale_rollout_rewards,
-    segment_minibatch,
-    segment_rollout,
-    sequence_batch,
-    take_samples,
-    take_segments,
-    take_sequences,
-    update_moments,
+    Batch, EpisodeStats, RolloutState, RunningMoments, Segments, collect_rollout, flatten_rollout, gae, init_moments,
+    init_observation_moments, initial_rollout, merge_time_and_batch, policy_step, prepare_observations,
+    scale_rollout_rewards, segment_advantages, segment_rollout, sequence_batch, take_samples, take_segments,
+    take_sequences, update_moments
 )
-from jaxddppo.sharding import DeviceShards, field_layouts, normalize_minibatch_advantages, sequence_advantages
+from jaxddppo.sharding import (
+    DeviceShards, epoch_indices, field_layouts, normalize_minibatch_advantages, random_permutations,
+    sequence_advantages, update_keys
+)
 
 
 def _hyperparams_from_config(cls: type, config: PPOConfig) -> Any:
@@ -67,11 +53,6 @@ PPOHyperparams = struct.dataclass(type("PPOHyperparams", (), {
     "__annotations__": {name: jax.Array for name in TRACED_BOUNDS},
     "from_config": classmethod(_hyperparams_from_config),
 }))
-
-
-def random_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Array:
-    """[num_permutations, n]: random orders of range(n), one per key split from `key`."""
-    return jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, num_permutations))
 
 
 @dataclass(frozen=True)
@@ -242,14 +223,6 @@ def make_update(
     return update
 
 
-def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
-    """The rollout's and the epochs' keys [2] of update `update_index`: the shard's key folded
-    with 2 x update_index and 2 x update_index + 1, in one Threefry call (XLA's CPU backend
-    compiles each call into a loop of its own)."""
-    indices = 2 * update_index.astype(jnp.uint32) + jnp.arange(2, dtype=jnp.uint32)
-    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(shard_key, indices)
-
-
 def run_epochs(
     params: Any,
     opt_state: Any,
@@ -277,10 +250,9 @@ def run_epochs(
     if settings.segment_length:
         advantages = None
 
-        def minibatch_of(params: Any, index: jax.Array, advantage: None) -> Batch:
+        def gradients_of(params: Any, index: jax.Array, advantage: None) -> tuple[Any, LossInfo]:
             segments = shards.map_batched(take_segments, batch, index)
-            return segment_minibatch(params, segments, apply_fn, hyperparams.gamma, hyperparams.gae_lambda,
-                                     settings.normalize_advantages, shards)
+            return segment_gradients(params, segments, apply_fn, hyperparams, settings)
     else:
         if settings.recurrent:
             advantages = sequence_advantages(batch.advantage, indices, settings.normalize_advantages, shards)
@@ -292,17 +264,17 @@ def run_epochs(
                 advantages = shards.map_batched(lambda shard, index: shard[index], batch.advantage, indices)
             take = take_samples
 
-        def minibatch_of(params: Any, index: jax.Array, advantage: jax.Array) -> Batch:
-            return shards.map_batched(
+        def gradients_of(params: Any, index: jax.Array, advantage: jax.Array) -> tuple[Any, LossInfo]:
+            minibatches = shards.map_batched(
                 lambda shard, shard_index, shard_advantage: take(shard, shard_index).replace(advantage=shard_advantage),
                 batch, index, advantage,
             )
+            return mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
     optimizer = make_optimizer(hyperparams, settings)
 
     def minibatch_step(carry: tuple[Any, Any], xs: tuple[jax.Array, Any]) -> tuple[tuple[Any, Any], LossInfo]:
         params, opt_state = carry
-        minibatches = minibatch_of(params, *xs)
-        grads, infos = mean_gradients(params, minibatches, apply_fn, hyperparams, settings.clip_value, shards)
+        grads, infos = gradients_of(params, *xs)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), infos
 
@@ -315,14 +287,6 @@ def run_epochs(
     return params, opt_state, jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), infos)
 
 
-def epoch_indices(key: jax.Array, num_epochs: int, num_minibatches: int, num_items: int,
-                  permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations) -> jax.Array:
-    """[num_epochs, num_minibatches, num_items / num_minibatches]: a fresh random order of
-    range(num_items) per epoch, cut into minibatches. The items are a shard's samples
-    (feed-forward) or its environments' whole sequences (recurrent)."""
-    return permutations(key, num_epochs, num_items).reshape(num_epochs, num_minibatches, -1)
-
-
 def ppo_loss(
     params: Any, apply_fn: Callable, batch: Batch, hyperparams: PPOHyperparams, clip_value: bool
 ) -> tuple[jax.Array, LossInfo]:
@@ -331,28 +295,37 @@ def ppo_loss(
     used as given (normalise it before calling). Returns the scalar loss and its parts
     (grad_norm left at 0)."""
     dist, value = apply_fn(params, batch.obs)
+    info = policy_terms(dist, batch, hyperparams.clip_eps)
+    value_loss = value_loss_of(value, batch.value, batch.target, hyperparams.clip_eps, clip_value)
+    loss = info.policy_loss + hyperparams.vf_coef * value_loss - hyperparams.ent_coef * info.entropy
+    return loss, info.replace(value_loss=value_loss)
+
+
+def policy_terms(dist: Any, batch: Batch, clip_eps: jax.Array) -> LossInfo:
+    """The clipped surrogate's loss, the entropy and the ratio's statistics of the policy
+    `dist` on `batch` (value_loss and grad_norm left at 0)."""
     log_ratio = dist.log_prob(batch.action) - batch.log_prob
     ratio = jnp.exp(log_ratio)
-    clip_eps = hyperparams.clip_eps
     surrogate = ratio * batch.advantage
     clipped_surrogate = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * batch.advantage
-    policy_loss = -jnp.mean(jnp.minimum(surrogate, clipped_surrogate))
-    value_error = jnp.square(value - batch.target)
-    if clip_value:
-        clipped_value = batch.value + jnp.clip(value - batch.value, -clip_eps, clip_eps)
-        value_error = jnp.maximum(value_error, jnp.square(clipped_value - batch.target))
-    value_loss = 0.5 * jnp.mean(value_error)
-    entropy = jnp.mean(dist.entropy())
-    loss = policy_loss + hyperparams.vf_coef * value_loss - hyperparams.ent_coef * entropy
-    info = LossInfo(
-        policy_loss=policy_loss,
-        value_loss=value_loss,
-        entropy=entropy,
+    return LossInfo(
+        policy_loss=-jnp.mean(jnp.minimum(surrogate, clipped_surrogate)),
+        value_loss=jnp.zeros(()),
+        entropy=jnp.mean(dist.entropy()),
         approx_kl=jnp.mean((ratio - 1.0) - log_ratio),
         clip_fraction=jnp.mean((jnp.abs(ratio - 1.0) > clip_eps).astype(jnp.float32)),
         grad_norm=jnp.zeros(()),
     )
-    return loss, info
+
+
+def value_loss_of(value: jax.Array, old_value: jax.Array, target: jax.Array, clip_eps: jax.Array,
+                  clip_value: bool) -> jax.Array:
+    """Half the mean squared error of `value` against `target`, clipped around `old_value` if asked."""
+    value_error = jnp.square(value - target)
+    if clip_value:
+        clipped_value = old_value + jnp.clip(value - old_value, -clip_eps, clip_eps)
+        value_error = jnp.maximum(value_error, jnp.square(clipped_value - target))
+    return 0.5 * jnp.mean(value_error)
 
 
 def mean_gradients(
@@ -372,6 +345,51 @@ def mean_gradients(
     )
     grads = shards.mean(grads)
     return grads, infos.replace(grad_norm=jnp.broadcast_to(optax.tree.norm(grads), infos.grad_norm.shape))
+
+
+def segment_gradients(
+    params: Any, segments: Segments, apply_fn: Callable, hyperparams: PPOHyperparams, settings: UpdateSettings
+) -> tuple[Any, LossInfo]:
+    """`mean_gradients` of a global minibatch of segments (leaves [L, S, n, ...]) whose
+    advantages and value targets come from the current value network. The pass that values
+    a shard's segments also takes the value loss's gradient, and once the advantages are
+    normalised over the global minibatch a second pass takes the policy's: valuing them
+    apart would cost a forward pass more where a device's shards run in turn (exact
+    reductions), as XLA does not merge passes across those loops."""
+    shards = settings.shards
+
+    def value_gradient(segment: Segments) -> tuple[Any, jax.Array, jax.Array]:
+        def objective(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            value = apply_fn(params, merge_time_and_batch(segment.obs))[1]
+            current, last_value = jax.lax.stop_gradient((value, apply_fn(params, segment.last_obs)[1]))
+            advantage = merge_time_and_batch(segment_advantages(
+                segment, current.reshape(segment.reward.shape), last_value, hyperparams.gamma, hyperparams.gae_lambda))
+            value_loss = value_loss_of(value, merge_time_and_batch(segment.value), advantage + current,
+                                       hyperparams.clip_eps, settings.clip_value)
+            return hyperparams.vf_coef * value_loss, (advantage, value_loss)
+
+        grads, (advantage, value_loss) = jax.grad(objective, has_aux=True)(params)
+        return grads, advantage, value_loss
+
+    value_grads, advantages, value_losses = shards.map(value_gradient, segments)
+    if settings.normalize_advantages:
+        advantages = normalize_minibatch_advantages(advantages, None, shards)
+
+    def policy_gradient(segment: Segments, advantage: jax.Array, value_grad: Any) -> tuple[Any, LossInfo]:
+        batch = merge_time_and_batch(Batch(obs=segment.obs, action=segment.action, log_prob=segment.log_prob,
+                                           value=None, advantage=None, target=None)).replace(advantage=advantage)
+
+        def objective(params: Any) -> tuple[jax.Array, LossInfo]:
+            info = policy_terms(apply_fn(params, batch.obs)[0], batch, hyperparams.clip_eps)
+            return info.policy_loss - hyperparams.ent_coef * info.entropy, info
+
+        grads, info = jax.grad(objective, has_aux=True)(params)
+        return jax.tree.map(jnp.add, value_grad, grads), info
+
+    grads, infos = shards.map(policy_gradient, segments, advantages, value_grads)
+    grads = shards.mean(grads)
+    return grads, infos.replace(value_loss=value_losses,
+                                grad_norm=jnp.broadcast_to(optax.tree.norm(grads), infos.grad_norm.shape))
 
 
 def loss_apply_fn(network: ActorCritic) -> Callable[[Any, Any], tuple[Any, jax.Array]]:
@@ -428,31 +446,16 @@ def initial_params(seed: int | jax.Array, network: ActorCritic, obs: Any) -> Any
     return network.init(jax.random.fold_in(jax.random.key(seed), 0), obs)
 
 
-def init_train_state(
-    shard_indices: jax.Array,
-    seed: int | jax.Array,
-    env: BatchedEnv,
-    network: ActorCritic,
-    hyperparams: PPOHyperparams,
-    settings: UpdateSettings,
-) -> TrainState:
+def init_train_state(shard_indices: jax.Array, seed: int | jax.Array, env: BatchedEnv, network: ActorCritic,
+                     hyperparams: PPOHyperparams, settings: UpdateSettings) -> TrainState:
     """The initial state of a device's shards (global indices `shard_indices`
     [shards_per_device]): parameters `initial_params(seed, ...)`; each shard's environment
     and update keys folded from its global index."""
-    num_envs = settings.num_envs_per_shard
     shard_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(jax.random.fold_in(jax.random.key(seed), 1),
                                                                    shard_indices)
-
-    def init_rollout(shard_key: jax.Array) -> RolloutState:
-        obs, env_state = env.reset(jax.random.fold_in(shard_key, 0), num_envs)
-        rollout = RolloutState(env_state, obs)
-        if network.recurrent:
-            rollout = rollout.replace(carry=network.initial_carry(num_envs), episode_start=jnp.ones((num_envs,), bool))
-        if settings.scale_rewards:
-            rollout = rollout.replace(discounted_return=jnp.zeros((num_envs,), jnp.float32))
-        return rollout
-
-    rollout = DeviceShards.map_batched(init_rollout, shard_keys)
+    rollout = DeviceShards.map_batched(lambda shard_key: initial_rollout(
+        env, network, jax.random.fold_in(shard_key, 0), settings.num_envs_per_shard, settings.scale_rewards
+    ), shard_keys)
     params = initial_params(seed, network, jax.tree.map(lambda leaf: leaf[0], rollout.obs))
     return strongly_typed(TrainState(
         params=params,

@@ -1,6 +1,6 @@
 """What a shard's batch of environments gives the update: rollouts under the policy
 (`collect_rollout`, acting through `policy_step`), GAE, the learning batch the epochs
-cut into minibatches (`flatten_rollout`, `sequence_batch`; `segment_minibatch`
+cut into minibatches (`flatten_rollout`, `sequence_batch`; `segment_advantages`
 recomputes a minibatch's advantages), and the running statistics every shard shares:
 the observation normaliser and the reward scaler.
 
@@ -60,6 +60,18 @@ class RolloutState:
     carry: Any = None  # recurrent policies: the carry before acting on obs
     episode_start: Optional[jax.Array] = None  # recurrent policies: [B] obs is an episode's first
     discounted_return: Optional[jax.Array] = None  # reward scaling: [B] discounted return so far
+
+
+def initial_rollout(env: BatchedEnv, network: ActorCritic, key: jax.Array, num_envs: int,
+                    scale_rewards: bool) -> RolloutState:
+    """A shard's first `RolloutState`: `num_envs` environments reset with `key`."""
+    obs, env_state = env.reset(key, num_envs)
+    rollout = RolloutState(env_state, obs)
+    if network.recurrent:
+        rollout = rollout.replace(carry=network.initial_carry(num_envs), episode_start=jnp.ones((num_envs,), bool))
+    if scale_rewards:
+        rollout = rollout.replace(discounted_return=jnp.zeros((num_envs,), jnp.float32))
+    return rollout
 
 
 @struct.dataclass
@@ -306,39 +318,20 @@ def take_segments(segments: Segments, index: jax.Array) -> Segments:
         last_obs=jax.tree.map(lambda x: x[index], segments.last_obs))
 
 
-def segment_minibatch(
-    params: Any, segments: Segments, apply_fn: Callable, gamma: jax.Array, gae_lambda: jax.Array, normalize: bool,
-    shards: DeviceShards,
-) -> Batch:
-    """The flat minibatch [L, S x n] of the device's shards' `segments` (leaves [L, S, n, ...]),
-    with advantages (GAE within each segment) and value targets from the current value
-    network, the advantages normalised over the global minibatch if asked.
+def segment_advantages(segment: Segments, value: jax.Array, last_value: jax.Array, gamma: jax.Array,
+                       gae_lambda: jax.Array) -> jax.Array:
+    """GAE [S, n] within each of `segment`'s segments (leaves [S, n, ...]) from the current
+    values of its observations `value` [S, n] and of the observations their last steps
+    reached `last_value` [n].
 
-    A step bootstraps from the current value of the next step's observation, the last step
-    from that of the observation it reached; a truncation inside a segment, whose reached
-    observation is not the next step's, from the rollout's value of it.
+    A step bootstraps from the value of the next step's observation, the last step from
+    `last_value`; a truncation inside a segment, whose reached observation is not the next
+    step's, from the rollout's value of it.
     """
-
-    def recompute(segment: Segments) -> tuple[jax.Array, jax.Array]:
-        value = apply_fn(params, merge_time_and_batch(segment.obs))[1].reshape(segment.reward.shape)
-        last_value = apply_fn(params, segment.last_obs)[1]
-        following_value = jnp.concatenate([value[1:], last_value[None]])
-        inside = (jnp.arange(value.shape[0]) < value.shape[0] - 1)[:, None]
-        next_value = jnp.where(inside & segment.truncated, segment.next_value, following_value)
-        advantage = gae(segment.reward, value, next_value, segment.terminated, segment.truncated, gamma, gae_lambda)
-        return advantage, value
-
-    advantages, values = shards.map(recompute, segments)
-    normalized = advantages
-    if normalize:
-        mean = shards.mean(shards.map(jnp.mean, advantages))
-        variance = shards.mean(shards.map(lambda shard: jnp.mean(jnp.square(shard - mean)), advantages))
-        inverse_std = 1.0 / (jnp.sqrt(variance) + 1e-8)  # a product: see sharding.normalize_minibatch_advantages
-        normalized = shards.map_batched(lambda shard: (shard - mean) * inverse_std, advantages)
-    return shards.map_batched(lambda segment, advantage, normalized_advantage, value: merge_time_and_batch(Batch(
-        obs=segment.obs, action=segment.action, log_prob=segment.log_prob, value=segment.value,
-        advantage=normalized_advantage, target=advantage + value,
-    )), segments, advantages, normalized, values)
+    following_value = jnp.concatenate([value[1:], last_value[None]])
+    inside = (jnp.arange(value.shape[0]) < value.shape[0] - 1)[:, None]
+    next_value = jnp.where(inside & segment.truncated, segment.next_value, following_value)
+    return gae(segment.reward, value, next_value, segment.terminated, segment.truncated, gamma, gae_lambda)
 
 
 @struct.dataclass

@@ -1,7 +1,8 @@
 """Shard semantics and the mesh: the one module of the algorithm that names a device axis.
 
 A *shard* is a logical slice of the global batch with its own environments and its own
-local minibatching; a *device* is physical. A value is laid out `PER_SHARD`, each leaf
+local minibatching (its keys for each update, `update_keys`, and its epochs' orders,
+`epoch_indices`); a *device* is physical. A value is laid out `PER_SHARD`, each leaf
 leading with an axis of length `num_shards` split over the mesh axis `DEVICE_AXIS` (a
 device holds `shards_per_device` of them), or `PER_MEMBER`, one value that every shard
 uses (parameters, optimizer state, statistics), held whole on every device. A per-device
@@ -89,16 +90,21 @@ class DeviceShards:
         return jax.tree.leaves(tree)[0].shape[0] * jax.lax.axis_size(DEVICE_AXIS)
 
 
-def normalize_minibatch_advantages(advantages: jax.Array, indices: jax.Array, shards: DeviceShards) -> jax.Array:
+def normalize_minibatch_advantages(
+    advantages: jax.Array, indices: Optional[jax.Array], shards: DeviceShards
+) -> jax.Array:
     """Advantages of every minibatch, normalised over that global minibatch (all shards).
 
     `advantages` [L, N] are the device's shards' flat advantages; `indices` [L, E, M, n]
-    pick each epoch's minibatches. The statistics of all E x M minibatches are reduced
-    together, around a shift common to every shard (the rollout mean) so
-    E[x^2] - E[x]^2 does not cancel.
+    pick each epoch's minibatches, or are None where `advantages` are one minibatch. The
+    statistics of all E x M minibatches are reduced together, around a shift common to
+    every shard (the rollout mean) so E[x^2] - E[x]^2 does not cancel.
     """
     shift = shards.mean(shards.map(jnp.mean, advantages))
-    centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
+    if indices is None:
+        centered = advantages - shift
+    else:
+        centered = shards.map_batched(lambda shard, index: shard[index] - shift, advantages, indices)
     mean, mean_square = shards.mean(shards.map(
         lambda shard: (jnp.mean(shard, -1), jnp.mean(jnp.square(shard), -1)), centered
     ))
@@ -121,6 +127,27 @@ def sequence_advantages(
         return shards.map_batched(lambda shard, index: shard[index], flat_advantages, flat_indices)
     per_minibatch = flat_indices.reshape(flat_indices.shape[:3] + (-1,))
     return normalize_minibatch_advantages(flat_advantages, per_minibatch, shards).reshape(flat_indices.shape)
+
+
+def random_permutations(key: jax.Array, num_permutations: int, n: int) -> jax.Array:
+    """[num_permutations, n]: random orders of range(n), one per key split from `key`."""
+    return jax.vmap(lambda k: jax.random.permutation(k, n))(jax.random.split(key, num_permutations))
+
+
+def epoch_indices(key: jax.Array, num_epochs: int, num_minibatches: int, num_items: int,
+                  permutations: Callable[[jax.Array, int, int], jax.Array] = random_permutations) -> jax.Array:
+    """[num_epochs, num_minibatches, num_items / num_minibatches]: a fresh random order of
+    range(num_items) per epoch, cut into minibatches. The items are a shard's samples
+    (feed-forward) or its environments' whole sequences (recurrent)."""
+    return permutations(key, num_epochs, num_items).reshape(num_epochs, num_minibatches, -1)
+
+
+def update_keys(shard_key: jax.Array, update_index: jax.Array) -> jax.Array:
+    """The rollout's and the epochs' keys [2] of update `update_index`: the shard's key folded
+    with 2 x update_index and 2 x update_index + 1, in one Threefry call (XLA's CPU backend
+    compiles each call into a loop of its own)."""
+    indices = 2 * update_index.astype(jnp.uint32) + jnp.arange(2, dtype=jnp.uint32)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(shard_key, indices)
 
 
 def all_members(tree: Any) -> Any:

@@ -27,7 +27,7 @@ from jaxddppo.cpu.tuning import (
     sort_permutations,
     with_cpu_devices,
 )
-from jaxddppo.ppo import epoch_indices, random_permutations
+from jaxddppo.sharding import epoch_indices, random_permutations
 
 
 def reference_permutations(key: jax.Array, num_permutations: int, n: int) -> np.ndarray:

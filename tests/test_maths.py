@@ -1,8 +1,8 @@
 """The maths of the trainer against independent float64 NumPy references.
 
 * `rollout.gae` against a plain backward loop, and two hand-worked cases.
-* `rollout.segment_minibatch` (ppo.segment_length): GAE of each segment with the current
-  values, normalised over the shards' minibatch, against the same loop.
+* `ppo.segment_gradients` (ppo.segment_length): `ppo_loss`'s gradient with GAE of each
+  segment from the current values, normalised over the shards' minibatch, by the same loop.
 * `ppo.ppo_loss` (value, LossInfo and gradient) against a closed form on a tiny
   batch whose "network" is its own parameters.
 * `networks.Categorical` / `DiagGaussian` against closed forms.
@@ -35,13 +35,13 @@ from jaxddppo.ppo import (
     LossInfo,
     PPOHyperparams,
     UpdateSettings,
-    epoch_indices,
     optimizer_state,
     ppo_loss,
-    random_permutations,
     run_epochs,
+    segment_gradients,
 )
-from jaxddppo.rollout import Batch, Segments, Transition, gae, segment_minibatch, segment_rollout, take_segments
+from jaxddppo.rollout import Batch, Segments, Transition, gae, segment_rollout, take_segments
+from jaxddppo.sharding import epoch_indices, random_permutations
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -572,19 +572,20 @@ def test_segments_are_consecutive_steps_of_one_environment():
         np.testing.assert_array_equal(getattr(taken, name), expected, err_msg=name)
 
 
-def linear_value_apply(params, obs):
-    """A "network" with no policy and a value linear in the observation [N, D]."""
-    return None, obs @ params["w"] + params["b"]
+def linear_apply(params, obs):
+    """A "network" whose logits and value are linear in the observation [N, D]."""
+    return Categorical(obs @ params["logits"]), obs @ params["w"] + params["b"]
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_segment_minibatch_recomputes_gae_with_the_current_values(normalize):
-    """Two shards of 4 segments of 5 steps: the advantages are GAE within each segment with
-    the given parameters' values of the observations acted on and reached (truncations
-    bootstrapped, terminations not; a truncation inside a segment from the rollout's
-    next_value), normalised over both shards' 40 samples together; the targets add the
-    current values; everything else is the rollout's, flattened step-major."""
-    num_shards, length, num_segments, obs_dim = 2, 5, 4, 3
+@pytest.mark.parametrize("normalize,clip_value", [(True, False), (False, True)])
+def test_segment_gradients_are_the_loss_gradient_with_gae_from_the_current_values(normalize, clip_value):
+    """Two shards of 4 segments of 5 steps: the value pass's and the policy pass's gradients
+    add up to `ppo_loss`'s gradient, averaged over the shards, on the minibatch whose
+    advantages are a float64 GAE within each segment from the given parameters' values of
+    the observations acted on and reached (truncations bootstrapped, terminations not; a
+    truncation inside a segment from the rollout's next_value), normalised over both
+    shards' 40 samples together, and whose targets add the current values."""
+    num_shards, length, num_segments, obs_dim, num_actions = 2, 5, 4, 3, 3
     rng = np.random.default_rng(5)
     gae_inputs = [random_gae_inputs(seed, length + 1, num_segments) for seed in (0, 1)]
     reward, _, rollout_next_value, terminated, truncated = (np.stack(x)[:, :length] for x in zip(*gae_inputs))
@@ -594,35 +595,52 @@ def test_segment_minibatch_recomputes_gae_with_the_current_values(normalize):
     done = (terminated | truncated)[..., None]
     final_obs = np.where(done, rng.normal(size=(num_shards, length, num_segments, obs_dim)), obs[:, 1:])
     final_obs, obs = final_obs.astype(np.float32), obs[:, :length]
-    old_value = rng.normal(size=reward.shape).astype(np.float32)
-    params = {"w": rng.normal(size=obs_dim).astype(np.float32), "b": np.float32(0.3)}
-    segments = Segments(obs=obs, last_obs=final_obs[:, -1], action=np.zeros(reward.shape, np.int32),
-                        log_prob=rng.normal(size=reward.shape).astype(np.float32), value=old_value,
+    params = {"w": rng.normal(size=obs_dim).astype(np.float32), "b": np.float32(0.3),
+              "logits": rng.normal(size=(obs_dim, num_actions)).astype(np.float32)}
+    value = obs.astype(np.float64) @ params["w"] + params["b"]
+    # Old values 0.5 off, beyond clip_eps: with clip_value, some value errors clip.
+    old_value = (value + rng.choice([-0.5, 0.5], size=reward.shape)).astype(np.float32)
+    segments = Segments(obs=obs, last_obs=final_obs[:, -1], action=rng.integers(0, num_actions, reward.shape),
+                        log_prob=(rng.normal(size=reward.shape) - 1.0).astype(np.float32), value=old_value,
                         next_value=rollout_next_value, reward=reward, terminated=terminated, truncated=truncated)
     hp = hyperparams()
     jparams = jax.tree.map(jnp.asarray, params)
+    settings = UpdateSettings(num_steps=length, num_envs_per_shard=num_segments, num_epochs=1, num_minibatches=1,
+                              num_shards=num_shards, num_updates=1, clip_value=clip_value,
+                              normalize_advantages=normalize, anneal_lr=False, recurrent=False,
+                              critic_after_steps=False, normalize_observations=False, scale_rewards=False,
+                              segment_length=length)
 
     def per_device(shard_segments):
-        return segment_minibatch(jparams, shard_segments, linear_value_apply, hp.gamma, hp.gae_lambda,
-                                 normalize, sharding.DeviceShards(exact=True))
+        return segment_gradients(jparams, shard_segments, linear_apply, hp, settings)
 
     mesh = sharding.make_mesh(jax.devices()[:1])
-    result = global_arrays.all_shards(sharding.shard_parallel(per_device, mesh)(jax.tree.map(jnp.asarray, segments)))
+    grads, info = sharding.shard_parallel(per_device, mesh, out_layouts=(sharding.PER_MEMBER, sharding.PER_SHARD))(
+        jax.tree.map(jnp.asarray, segments))
 
-    value = obs.astype(np.float64) @ params["w"] + params["b"]
     next_value = final_obs.astype(np.float64) @ params["w"] + params["b"]
     next_value[:, :-1] = np.where(truncated[:, :-1], rollout_next_value[:, :-1], next_value[:, :-1])
     advantage = np.stack([gae_reference(reward[i], value[i], next_value[i], terminated[i], truncated[i], 0.99, 0.95)
                           for i in range(num_shards)])
-    expected = (advantage - advantage.mean()) / (advantage.std() + 1e-8) if normalize else advantage
+    normalized = (advantage - advantage.mean()) / (advantage.std() + 1e-8) if normalize else advantage
 
     def flat(x):
-        return np.reshape(x, (num_shards, length * num_segments) + np.shape(x)[3:])
+        return jnp.asarray(np.reshape(x, (length * num_segments,) + np.shape(x)[2:]), jnp.float32)
 
-    np.testing.assert_allclose(result.advantage, flat(expected), rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(result.target, flat(advantage + value), rtol=RTOL, atol=ATOL)
-    for name in ("obs", "action", "log_prob", "value"):
-        np.testing.assert_array_equal(getattr(result, name), flat(getattr(segments, name)), err_msg=name)
+    batches = [Batch(obs=flat(obs[i]), action=flat(segments.action[i]).astype(jnp.int32),
+                     log_prob=flat(segments.log_prob[i]), value=flat(old_value[i]), advantage=flat(normalized[i]),
+                     target=flat(advantage[i] + value[i])) for i in range(num_shards)]
+    expected = [jax.grad(ppo_loss, has_aux=True)(jparams, linear_apply, batch, hp, clip_value) for batch in batches]
+    for name in params:
+        np.testing.assert_allclose(np.asarray(grads[name]), np.mean([g[name] for g, _ in expected], 0),
+                                   rtol=1e-4, atol=1e-6, err_msg=name)
+    for name in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction"):
+        np.testing.assert_allclose(np.asarray(getattr(info, name)), [getattr(i, name) for _, i in expected],
+                                   rtol=RTOL, atol=ATOL, err_msg=name)
+    norm = np.sqrt(sum(np.sum(np.square(np.asarray(leaf))) for leaf in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(np.asarray(info.grad_norm), [norm] * num_shards, rtol=RTOL)
+    unclipped = [float(ppo_loss(jparams, linear_apply, batch, hp, False)[1].value_loss) for batch in batches]
+    assert (np.asarray(info.value_loss) != unclipped).all() == clip_value  # the clipping case is exercised
 
 
 # --------------------------------------------------------------------------- distributions

@@ -25,9 +25,9 @@ from jaxddppo.config.options import ConfigError, NetworkConfig, PPOConfig
 from jaxddppo.distributed import global_arrays, topology
 from jaxddppo.envs import make_env
 from jaxddppo.networks import make_actor_critic, unroll
-from jaxddppo.ppo import PPOHyperparams, epoch_indices, loss_apply_fn, mean_gradients
+from jaxddppo.ppo import PPOHyperparams, loss_apply_fn, mean_gradients
 from jaxddppo.rollout import Batch, RolloutState, SequenceObs, collect_rollout, policy_step, take_sequences
-from jaxddppo.sharding import sequence_advantages
+from jaxddppo.sharding import epoch_indices, sequence_advantages
 from jaxddppo.train import run
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"

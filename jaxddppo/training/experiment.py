@@ -31,7 +31,6 @@ from jaxddppo.ppo import (
     UpdateSettings,
     init_train_state,
     make_update,
-    random_permutations,
 )
 from jaxddppo.references import UserObjects
 from jaxddppo.training import pbt
@@ -293,7 +292,7 @@ def update_settings(config: Config, topology: Topology) -> UpdateSettings:
         normalize_observations=config.env.normalize_observations,
         scale_rewards=config.env.scale_rewards,
         segment_length=config.ppo.segment_length,
-        permutations=cpu_tuning.sort_permutations if cpu_tuning.is_on(config) else random_permutations,
+        permutations=cpu_tuning.sort_permutations if cpu_tuning.is_on(config) else sharding.random_permutations,
         exact_reductions=config.train.exact_reductions,
     )
 
