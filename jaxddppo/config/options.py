@@ -126,8 +126,8 @@ class PPOConfig:
     segment_length: int = _opt(
         0, "0: minibatches of single steps, with the rollout's advantages. L > 0: minibatches of L-step segments of "
         "one environment (ppo.num_steps a multiple of L), whose advantages and value targets the current value "
-        "network recomputes before every SGD step, at the cost of one more forward pass (Brax PPO's scheme, L its "
-        "unroll_length); feed-forward networks"
+        "network recomputes before every SGD step, in the pass that takes the value loss's gradient (Brax PPO's "
+        "scheme, L its unroll_length); feed-forward networks"
     )
 
 
