@@ -19,10 +19,14 @@ from conftest import host_leaves
 
 from jaxddppo.config.files import from_dict, with_overrides
 from jaxddppo.cpu import tuning as cpu_tuning
+from jaxddppo.envs import EnvSpec, observation_spec
+from jaxddppo.references import UserObjects
 from jaxddppo.cpu.tuning import (
+    LONG_LOOP_ITERATIONS,
     compiler_options,
     cpu_devices_for_run,
     is_on,
+    loop_iterations,
     resolve,
     sort_permutations,
     with_cpu_devices,
@@ -111,6 +115,84 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
     got = tuned_programs.init(tuned_programs.inputs)
     for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):
         np.testing.assert_allclose(got_leaf, want_leaf, rtol=1e-5, atol=1e-6)
+
+
+class SettledPoint:
+    """A point that falls for `settle_steps` steps of 0.01 s before its episode starts (as a
+    physics task's reset lets the body settle), then is pushed left or right for 16 steps."""
+
+    def __init__(self, settle_steps):
+        self.settle_steps = settle_steps
+        self.spec = EnvSpec(env_id="settled", observation=observation_spec(self.reset), discrete=True,
+                            num_actions=2, max_episode_steps=16)
+
+    def reset(self, key):
+        start = jax.random.uniform(key, (2,))
+
+        def fall(position_velocity, _):
+            position, velocity = position_velocity
+            return (position + 0.01 * velocity, velocity - 0.0981), None
+
+        (height, speed), _ = jax.lax.scan(fall, (start[0], start[1]), None, length=self.settle_steps)
+        obs = jnp.stack([height, speed])
+        return obs, (obs, jnp.int32(0))
+
+    def step(self, key, state, action):
+        obs, steps = state
+        obs = obs + jnp.stack([jnp.where(action == 1, 0.1, -0.1), 0.0])
+        return obs, (obs, steps + 1), -jnp.abs(obs[0]), jnp.asarray(False), steps + 1 >= 16
+
+
+def test_loop_iterations_multiply_nested_scans_and_count_a_while_once():
+    def settle(x):
+        def outer(carry, _):
+            return jax.lax.scan(lambda inner, _: (inner * 0.5, None), carry, None, length=8)[0], None
+
+        settled = jax.lax.scan(outer, x, None, length=200)[0]
+        return jax.lax.while_loop(lambda value: value < 1.0, lambda value: value + 1.0, settled)
+
+    def branches(x):
+        long = lambda value: jax.lax.scan(lambda c, _: (c + 1.0, None), value, None, length=300)[0]
+        return jax.lax.cond(x > 0, long, lambda value: value, x)
+
+    def while_around_a_scan(x):
+        body = lambda value: jax.lax.scan(lambda c, _: (c + 1.0, None), value, None, length=4)[0]
+        return jax.lax.while_loop(lambda value: value < 10.0, body, x)
+
+    assert loop_iterations(jax.make_jaxpr(settle)(1.0)) == 1600
+    assert loop_iterations(jax.make_jaxpr(jax.vmap(jax.jit(settle)))(jnp.ones(3))) == 1600
+    assert loop_iterations(jax.make_jaxpr(branches)(1.0)) == 300
+    assert loop_iterations(jax.make_jaxpr(while_around_a_scan)(1.0)) == 4
+    assert loop_iterations(jax.make_jaxpr(lambda x: jnp.sin(x) * 2.0)(1.0)) == 0
+
+
+@pytest.mark.parametrize("settle_steps, init_runs_once", [(LONG_LOOP_ITERATIONS - 1, True),
+                                                          (LONG_LOOP_ITERATIONS, False)])
+def test_an_initialisation_that_loops_long_compiles_as_the_programs_that_run_many_times(
+        monkeypatch, settle_steps, init_runs_once):
+    """CheetahRun's reset settles the body for 200 physics steps: unoptimised, its first states
+    took 5x as long to run as level 2 takes to compile more. Whichever level, the first state
+    is the same on 1 and 2 devices."""
+    from jaxddppo.training import experiment
+
+    asked = []
+
+    def recorded(platform, runs_once):
+        asked.append(runs_once)
+        return compiler_options(platform, runs_once)
+
+    monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
+    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "train": {"num_shards": 2}})
+    objects = UserObjects(env=SettledPoint(settle_steps))
+    states = []
+    for num_devices in (1, 2):
+        asked.clear()
+        built = experiment.build(config, jax.devices()[:num_devices], objects)
+        programs = experiment.compile_programs(built)
+        assert sorted(asked) == sorted([False, False, init_runs_once])  # the chunk, the checksums; the init
+        states.append(host_leaves(programs.init(programs.inputs)))
+    for one, two in zip(*states, strict=True):
+        np.testing.assert_array_equal(one, two)
 
 
 @pytest.mark.parametrize("setting, platform, resolved", [

@@ -14,7 +14,8 @@ other random orders (the rest changes the last bits only); the algorithm is the 
   one array of integers directly.
 - `compiler_options`: XLA's CPU backend spends most of a compile in LLVM, whose level 3
   makes these programs no faster than its level 2, and whose level 0, with XLA's older
-  kernel emitter, suffices for a program that runs once. From jaxlib 0.10, XLA hands
+  kernel emitter, suffices for a program that runs once, unless it loops long
+  (`init_compiler_options`). From jaxlib 0.10, XLA hands
   elementwise fusions (a multiply-reduce among them) to the YNNPACK library by default,
   at which MJX's physics steps at half its rate; the options keep YNNPACK to single dots,
   where the learner gains from it.
@@ -122,6 +123,46 @@ def compiler_options(platform: str, runs_once: bool) -> dict[str, Any]:
         older_emitter = {"xla_cpu_use_fusion_emitters": False} if _HAS_OLDER_KERNEL_EMITTER else {}
         return {"xla_backend_optimization_level": 0, **older_emitter, **_YNNPACK_FOR_SINGLE_DOTS}
     return {"xla_backend_optimization_level": 2, **_YNNPACK_FOR_SINGLE_DOTS}
+
+
+# The loop iterations from which the initialisation compiles at level 2 although it runs once:
+# unoptimised code pays its slowness once per iteration. CheetahRun's reset settles the body
+# for 200 physics steps (scan 200 x 8): its 2048 first states took 49 s to run at level 0
+# against 9 s at level 2, which compiles them in 26 s against 13; WalkerWalk's (scan 5) ran
+# in 0.2 s either way and compiled in 5 s against 19 (jax 0.9.2, 2 CPU devices).
+LONG_LOOP_ITERATIONS = 100
+
+
+def loop_iterations(jaxpr: Any) -> int:
+    """The most iterations any loop of `jaxpr` (a jaxpr or closed jaxpr) runs, a nested
+    loop's count multiplied by its enclosing loops': a `scan` its length, a `while` one (its
+    count is not in the trace); 0 without loops."""
+    jaxpr = jaxpr if hasattr(jaxpr, "eqns") else jaxpr.jaxpr
+    most = 0
+    for eqn in jaxpr.eqns:
+        inner = max((loop_iterations(sub) for sub in _inner_jaxprs(tuple(eqn.params.values()))), default=0)
+        count = {"scan": eqn.params.get("length", 1), "while": 1}.get(eqn.primitive.name)
+        most = max(most, inner if count is None else count * max(inner, 1))
+    return most
+
+
+def _inner_jaxprs(values: tuple) -> list[Any]:
+    """The jaxprs among an equation's parameters (a call's, a loop's body, a cond's branches)."""
+    found = []
+    for value in values:
+        if isinstance(value, (tuple, list)):
+            found.extend(_inner_jaxprs(tuple(value)))
+        elif hasattr(value, "eqns") or hasattr(getattr(value, "jaxpr", None), "eqns"):
+            found.append(value)
+    return found
+
+
+def init_compiler_options(platform: str, init_jaxpr: Any) -> dict[str, Any]:
+    """`compiler_options` for the initialisation (`init_jaxpr`, its trace), which runs once:
+    those of a program that runs once, unless it loops `LONG_LOOP_ITERATIONS` times or more.
+    Its loops are the environments' resets' and the network initialisation's, whose counts are
+    the same on any device count (the shards are batched), and so is the choice."""
+    return compiler_options(platform, runs_once=loop_iterations(init_jaxpr) < LONG_LOOP_ITERATIONS)
 
 
 def backend_started() -> bool:

@@ -386,16 +386,16 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
     starts: neither is needed before the first checkpoint or the end, and the final
     evaluation's compile took 7 of the 26 s before the first update on a MinAtar game.
 
-    With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply, except to the final
-    evaluation, compiled as `jaxddppo.evaluate` compiles it, on the calling thread's
-    `jax.default_device`."""
+    With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply (to the initialisation,
+    `init_compiler_options`), except to the final evaluation, compiled as `jaxddppo.evaluate`
+    compiles it, on the calling thread's `jax.default_device`."""
     inputs = experiment.shard_inputs()
     traced_init = experiment.init_fn().trace(inputs)
     state = traced_init.out_info
     platform = experiment.mesh.devices.flat[0].platform
 
-    def tuned(runs_once: bool = False) -> dict:
-        return cpu_tuning.compiler_options(platform, runs_once) if cpu_tuning.is_on(experiment.config) else {}
+    def tuned() -> dict:
+        return cpu_tuning.compiler_options(platform, runs_once=False) if cpu_tuning.is_on(experiment.config) else {}
 
     # name: (lowering, compiler options)
     first = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
@@ -404,7 +404,9 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         first["evaluate"] = (lambda: experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, inputs
         ), tuned())
-    first["init"] = (traced_init.lower, tuned(runs_once=True))
+    init_options = cpu_tuning.init_compiler_options(platform, traced_init.jaxpr) \
+        if cpu_tuning.is_on(experiment.config) else {}
+    first["init"] = (traced_init.lower, init_options)
     with ThreadPoolExecutor(max_workers=len(first)) as pool:
         futures = {name: pool.submit(lower().compile, options) for name, (lower, options) in first.items()}
         compiled = {name: future.result() for name, future in futures.items()}
