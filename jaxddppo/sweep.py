@@ -79,7 +79,8 @@ SWEEP_SUMMARY_FIELDS: dict[str, str] = {
     "jax_version": "JAX version",
     "env_steps_per_member": "environment steps done by each member",
     "total_env_steps": "environment steps done by the whole population",
-    "compile_seconds": "seconds spent compiling the programs (training, evaluations) and making the first state",
+    "compile_seconds": "seconds before the first update: compiling the initialisation and the updates and making the "
+                       "first state (the evaluations compile while the training runs)",
     "train_seconds": "seconds of training, the host loop between chunks included (compile and evaluations excluded)",
     "env_steps_per_second": "total_env_steps / train_seconds: the throughput of the whole population",
     "best_setting": "swept values of the setting with the highest mean evaluation return over its seeds",

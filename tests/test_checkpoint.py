@@ -506,6 +506,29 @@ def test_training_starts_while_the_final_evaluation_compiles(tmp_path, monkeypat
         experiment.final_evaluations(state, programs.final_evaluate)
 
 
+def test_training_starts_while_the_periodic_evaluation_compiles(tmp_path, monkeypatch):
+    """The periodic evaluation compiles in the background too: the first update runs before
+    it is lowered, and the evaluation after that update waits for its program."""
+    config = with_overrides(small_config(tmp_path / "run"), {"eval.every_updates": 1, "train.updates_per_chunk": 1})
+    experiment = build(config, jax.devices()[:1])
+    training_ran = threading.Event()
+    real_eval_fn = Experiment.eval_fn
+
+    def eval_fn_after_training(self):
+        if not training_ran.wait(timeout=60):
+            raise AssertionError("compile_programs waited for the periodic evaluation")
+        return real_eval_fn(self)
+
+    monkeypatch.setattr(Experiment, "eval_fn", eval_fn_after_training)
+    programs = compile_programs(experiment)
+    assert isinstance(programs.evaluate, CompilingProgram)
+    state = programs.init(programs.inputs)
+    state, _, _ = programs.learn(state, programs.inputs, update_count(experiment.mesh, 1))
+    training_ran.set()
+    stats = programs.evaluate_after(state, 1, 1, experiment.mesh)
+    assert stats.return_mean.shape == (1,) and np.all(stats.length_mean >= 1)
+
+
 def test_evaluate_reproduces_the_runs_final_evaluation(one_go):
     result = subprocess.run([sys.executable, "-m", "jaxddppo.evaluate", one_go.run_dir, "--json"],
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)

@@ -59,7 +59,8 @@ SUMMARY_FIELDS: dict[str, str] = {
     "num_processes": "JAX processes (hosts)",
     "backend": "JAX backend (cpu, gpu, tpu)",
     "jax_version": "JAX version",
-    "compile_seconds": "seconds spent compiling the run's programs (training, evaluations) and making its first state",
+    "compile_seconds": "seconds before the first update: compiling the initialisation and the updates and making the "
+                       "first state (the evaluations and the checksums compile while the training runs)",
     "train_seconds": "seconds of training, the host loop between chunks included (compile and evaluations excluded)",
     "env_steps_per_second": "total_env_steps / train_seconds",
     "final_episode_return": "mean return of the training episodes that ended in the last chunk of updates",

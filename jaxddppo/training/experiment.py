@@ -340,8 +340,8 @@ def all_finite(tree: Any) -> jax.Array:
 class Programs:
     """Everything a population executes, compiled, and their traced inputs: the
     initialisation, the chunk of updates (`Experiment.learn_fn`, one program for chunks of
-    every length), the periodic evaluation (None when `eval.every_updates` is 0), and the
-    two compiled while the first updates run: the checksums of a checkpoint's digest and
+    every length), and those compiled while the first updates run: the checksums of a
+    checkpoint's digest, the periodic evaluation (None when `eval.every_updates` is 0) and
     the final evaluation."""
 
     inputs: ShardInputs
@@ -376,15 +376,17 @@ class CompilingProgram:
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
     """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
     the periodic evaluation and the final one, lowered from the initialisation's output
-    shapes alone (nothing runs before the training's programs are compiled).
+    shapes alone (nothing runs before the first update's programs are compiled).
 
-    What training needs first, the longest first: the calling thread lowers each, and each
-    compiles in a thread of its own as soon as it is lowered (XLA compiles without holding
-    Python's GIL, so the next lowering runs beside it; lowerings in threads of their own
-    would take turns at the GIL, slower). Once they are compiled, one background thread
-    lowers and compiles the checksums, then the final evaluation, while the training
-    starts: neither is needed before the first checkpoint or the end, and the final
-    evaluation's compile took 7 of the 26 s before the first update on a MinAtar game.
+    What the first update needs, the longest first: the calling thread lowers each, and
+    each compiles in a thread of its own as soon as it is lowered (XLA compiles without
+    holding Python's GIL, so the next lowering runs beside it; lowerings in threads of their
+    own would take turns at the GIL, slower). Once they are compiled, one background thread
+    lowers and compiles the checksums, the periodic evaluation, then the final evaluation,
+    while the training starts: none is needed before the first checkpoint, the first
+    evaluation or the end. The final evaluation's compile took 7 of the 26 s before the
+    first update on a MinAtar game; CheetahRun's periodic evaluation traced its physics
+    step for 26 s and compiled for 28.
 
     With `run.cpu_tuning` on, `cpu_tuning.compiler_options` apply (to the initialisation,
     `init_compiler_options`), except to the final evaluation, compiled as `jaxddppo.evaluate`
@@ -400,10 +402,6 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
     # name: (lowering, compiler options)
     first = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
                        tuned())}
-    if experiment.config.eval.every_updates:
-        first["evaluate"] = (lambda: experiment.eval_fn().lower(
-            state.params, state.obs_moments, state.update_index, inputs
-        ), tuned())
     init_options = cpu_tuning.init_compiler_options(platform, traced_init.jaxpr) \
         if cpu_tuning.is_on(experiment.config) else {}
     first["init"] = (traced_init.lower, init_options)
@@ -413,6 +411,10 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
 
     checksum = global_arrays.checksum_program(experiment.mesh)
     later = {"checksum": (lambda: checksum.lower(*global_arrays.by_layout(state)), tuned())}
+    if experiment.config.eval.every_updates:
+        later["evaluate"] = (lambda: experiment.eval_fn().lower(
+            state.params, state.obs_moments, state.update_index, inputs
+        ), tuned())
     if final_evaluation:
         later["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
     default_device = jax.config.jax_default_device  # a per-thread setting: the background thread's is unset
@@ -425,7 +427,7 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
     deferred = {name: CompilingProgram(background.submit(lower_and_compile, lower, options))
                 for name, (lower, options) in later.items()}
     background.shutdown(wait=False)
-    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=compiled.get("evaluate"),
+    return Programs(inputs=inputs, init=compiled["init"], learn=compiled["learn"], evaluate=deferred.get("evaluate"),
                     checksum=deferred["checksum"], final_evaluate=deferred.get("final_evaluate"))
 
 
