@@ -19,8 +19,6 @@ from conftest import host_leaves
 
 from jaxddppo.config.files import from_dict, with_overrides
 from jaxddppo.cpu import tuning as cpu_tuning
-from jaxddppo.envs import EnvSpec, observation_spec
-from jaxddppo.references import UserObjects
 from jaxddppo.cpu.tuning import (
     LONG_LOOP_ITERATIONS,
     compiler_options,
@@ -31,6 +29,8 @@ from jaxddppo.cpu.tuning import (
     sort_permutations,
     with_cpu_devices,
 )
+from jaxddppo.envs import EnvSpec, observation_spec
+from jaxddppo.references import UserObjects
 from jaxddppo.sharding import epoch_indices, random_permutations
 
 
@@ -88,16 +88,9 @@ def test_minibatches_are_a_fresh_permutation_per_epoch_either_way(permutations):
         np.testing.assert_array_equal(samples[0], jax.random.permutation(jax.random.split(key, 3)[0], 64))
 
 
-def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypatch):
-    """run.cpu_tuning on: every program compiles with `compiler_options` for its platform,
-    the initialisation as a program that runs once; it starts from the state the plain path
-    starts from, but for the last bits."""
-    from jaxddppo.config.files import from_dict, with_overrides
-    from jaxddppo.cpu import tuning as cpu_tuning
-    from jaxddppo.training import experiment
-
-    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
-    plain = experiment.build(config, jax.devices()[:1])
+@pytest.fixture
+def asked_options(monkeypatch):
+    """(platform, runs_once) of every `compiler_options` call from here on, each still answered."""
     asked = []
 
     def recorded(platform, runs_once):
@@ -105,12 +98,24 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(monkeypa
         return compiler_options(platform, runs_once)
 
     monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
+    return asked
+
+
+def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(asked_options):
+    """run.cpu_tuning on: every program compiles with `compiler_options` for its platform,
+    the initialisation as a program that runs once; it starts from the state the plain path
+    starts from, but for the last bits."""
+    from jaxddppo.config.files import from_dict, with_overrides
+    from jaxddppo.training import experiment
+
+    config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "run": {"cpu_tuning": "off"}})
+    plain = experiment.build(config, jax.devices()[:1])
     experiment.compile_programs(plain)
-    assert asked == []
+    assert asked_options == []
     tuned = experiment.build(with_overrides(config, {"run.cpu_tuning": "auto"}), jax.devices()[:1])
     assert tuned.config.run.cpu_tuning == "on" and tuned.settings.permutations is sort_permutations
     tuned_programs = experiment.compile_programs(tuned)
-    assert sorted(asked) == [("cpu", False), ("cpu", False), ("cpu", True)]  # the chunk, the checksums; the init
+    assert sorted(asked_options) == [("cpu", False), ("cpu", False), ("cpu", True)]  # the chunk, the checksums; the init
     want = plain.init_state()
     got = tuned_programs.init(tuned_programs.inputs)
     for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):
@@ -169,27 +174,21 @@ def test_loop_iterations_multiply_nested_scans_and_count_a_while_once():
 @pytest.mark.parametrize("settle_steps, init_runs_once", [(LONG_LOOP_ITERATIONS - 1, True),
                                                           (LONG_LOOP_ITERATIONS, False)])
 def test_an_initialisation_that_loops_long_compiles_as_the_programs_that_run_many_times(
-        monkeypatch, settle_steps, init_runs_once):
+        asked_options, settle_steps, init_runs_once):
     """CheetahRun's reset settles the body for 200 physics steps: unoptimised, its first states
     took 5x as long to run as level 2 takes to compile more. Whichever level, the first state
     is the same on 1 and 2 devices."""
     from jaxddppo.training import experiment
 
-    asked = []
-
-    def recorded(platform, runs_once):
-        asked.append(runs_once)
-        return compiler_options(platform, runs_once)
-
-    monkeypatch.setattr(cpu_tuning, "compiler_options", recorded)
     config = from_dict({"env": {"num_envs": 8}, "ppo": {"num_steps": 16}, "train": {"num_shards": 2}})
     objects = UserObjects(env=SettledPoint(settle_steps))
     states = []
     for num_devices in (1, 2):
-        asked.clear()
+        asked_options.clear()
         built = experiment.build(config, jax.devices()[:num_devices], objects)
         programs = experiment.compile_programs(built)
-        assert sorted(asked) == sorted([False, False, init_runs_once])  # the chunk, the checksums; the init
+        # the chunk, the checksums; the init
+        assert sorted(asked_options) == sorted([("cpu", False), ("cpu", False), ("cpu", init_runs_once)])
         states.append(host_leaves(programs.init(programs.inputs)))
     for one, two in zip(*states, strict=True):
         np.testing.assert_array_equal(one, two)
