@@ -149,7 +149,8 @@ def make_update(
 
         rollout, transitions, episode_stats = shards.map(
             lambda shard_rollout, key: collect_rollout(
-                env, policy, params, shard_rollout, key, settings.num_steps, settings.critic_after_steps
+                env, policy, params, shard_rollout, key, settings.num_steps, settings.critic_after_steps,
+                keep_final_obs=settings.segment_length > 0,
             ),
             state.rollout, key_rollout,
         )

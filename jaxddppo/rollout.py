@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxddppo.envs import BatchedEnv, EpisodeState, batch_size
+from jaxddppo.envs.base import update_if_any
 from jaxddppo.networks import ActorCritic, Distribution
 from jaxddppo.sharding import DeviceShards
 
@@ -46,8 +47,8 @@ class Transition:
     reward: jax.Array
     terminated: jax.Array  # true end of episode: no bootstrap
     truncated: jax.Array  # time limit: bootstrap from final_obs
-    final_obs: Any  # observation reached by the step, before any auto-reset
-    next_value: jax.Array  # V_old(final_obs); recurrent policies: with the carry after the step
+    final_obs: Any  # observation reached by the step, before any auto-reset; None unless kept (`collect_rollout`)
+    next_value: jax.Array  # V_old(final_obs) where no episode terminated; recurrent: with the carry after the step
     episode_start: Optional[jax.Array] = None  # recurrent policies only: the carry was reset before obs
 
 
@@ -85,19 +86,19 @@ class EpisodeStats:
 
 def collect_rollout(
     env: BatchedEnv, policy: PolicyFn, params: Any, state: RolloutState, key: jax.Array, num_steps: int,
-    critic_after_steps: bool = False,
+    critic_after_steps: bool = False, keep_final_obs: bool = False,
 ) -> tuple[RolloutState, Transition, EpisodeStats]:
     """Step every environment `num_steps` times with actions sampled from the policy.
 
-    A recurrent policy (`state.carry` not None) carries its state from step to
-    step, resets it where an episode starts, and values each step's final_obs
-    with the carry the step produced. A feed-forward policy values the final_obs
-    of all steps after the last one, in one pass, and with `critic_after_steps`
-    the observations acted on too, in another: the steps then leave the critic
-    out (XLA drops it from the loop), which pays when it has a torso of its own
-    and the batch is small (large products instead of T small ones, each with a
-    fixed cost); with a torso shared with the actor, a value at each step costs
-    only its head.
+    A recurrent policy (`state.carry` not None) carries its state from step to step,
+    resets it where an episode starts, and values each step's final_obs with the carry
+    the step produced. A feed-forward policy values final_obs only at steps that truncate
+    an episode (`update_if_any`); elsewhere `next_value` is the next step's value (of the
+    observation reached, or after a termination, which does not bootstrap). final_obs, as
+    large as the observations, is kept only with `keep_final_obs`. With `critic_after_steps`
+    the steps leave the critic out (XLA drops it from the loop) and one pass values all
+    observations after them: large products instead of T small ones, which pays for a
+    critic with a torso of its own; with a shared torso a value costs only its head.
     """
     recurrent = state.carry is not None
     if recurrent and critic_after_steps:
@@ -109,12 +110,17 @@ def collect_rollout(
         action = dist.sample(key_action)
         env_state, result = env.step_with_keys(env_keys, carry.env, action)
         next_state = carry.replace(env=env_state, obs=result.obs)
-        next_value, episode_start = None, None
+        episode_start = None
         if recurrent:
             done = result.terminated | result.truncated
             _, _, next_value = policy(params, policy_carry, result.final_obs, jnp.zeros_like(done))
             episode_start = carry.episode_start
             next_state = next_state.replace(carry=policy_carry, episode_start=done)
+        else:
+            def value_reached(reached: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
+                return reached[0], policy(params, None, reached[0], None)[2]
+            next_value = update_if_any(jnp.any(result.truncated), value_reached,
+                                       (result.final_obs, jnp.zeros_like(result.reward)))[1]
         transition = Transition(
             obs=carry.obs,
             action=action,
@@ -123,7 +129,7 @@ def collect_rollout(
             reward=result.reward,
             terminated=result.terminated,
             truncated=result.truncated,
-            final_obs=result.final_obs,
+            final_obs=result.final_obs if keep_final_obs else None,
             next_value=next_value,
             episode_start=episode_start,
         )
@@ -136,7 +142,9 @@ def collect_rollout(
     if critic_after_steps:
         transitions = transitions.replace(value=policy(params, None, transitions.obs, None)[2])
     if not recurrent:
-        transitions = transitions.replace(next_value=policy(params, None, transitions.final_obs, None)[2])
+        following_value = jnp.concatenate([transitions.value[1:], policy(params, None, state.obs, None)[2][None]])
+        transitions = transitions.replace(next_value=jnp.where(transitions.truncated, transitions.next_value,
+                                                               following_value))
     stats = EpisodeStats(
         return_sum=returns.sum(),
         length_sum=lengths.sum().astype(jnp.float32),

@@ -19,13 +19,13 @@ from jaxddppo.training.experiment import build, update_count
 NUM_ENVS, NUM_STEPS = 3, 4
 
 
-def _rollout_fn(env, network, critic_after_steps):
+def _rollout_fn(env, network, critic_after_steps, keep_final_obs=True, num_steps=NUM_STEPS):
     @jax.jit
     def rollout(key):
         obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
         params = network.init(jax.random.fold_in(key, 1), obs)
         return collect_rollout(env, network.step, params, RolloutState(env_state, obs),
-                               jax.random.fold_in(key, 2), NUM_STEPS, critic_after_steps)
+                               jax.random.fold_in(key, 2), num_steps, critic_after_steps, keep_final_obs)
 
     return rollout
 
@@ -115,21 +115,55 @@ def test_critic_after_steps_is_the_same_rollout_with_the_critic_out_of_the_loop(
     key = jax.random.key(3)
     _, expected, expected_stats = per_step(key)
     _, transitions, stats = after(key)
-    for name in ("obs", "action", "log_prob", "reward", "terminated", "truncated", "final_obs", "next_value"):
+    for name in ("obs", "action", "log_prob", "reward", "terminated", "truncated", "final_obs"):
         np.testing.assert_array_equal(getattr(transitions, name), getattr(expected, name), err_msg=name)
     np.testing.assert_array_equal(jax.tree.leaves(stats), jax.tree.leaves(expected_stats))
-    # One pass over all observations instead of one per step: the same values up to rounding.
-    np.testing.assert_allclose(transitions.value, expected.value, rtol=1e-6, atol=1e-6)
+    # One pass over all observations instead of one per step: the same values up to rounding,
+    # and the next step's value as next_value.
+    for name in ("value", "next_value"):
+        np.testing.assert_allclose(getattr(transitions, name), getattr(expected, name), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
     # The compiled programs' torso products (8 columns; XLA before jaxlib 0.10 turns a
     # product with one column, such as the critic's head, into a multiply and a sum), by
-    # the rows they take: one step's environments (in the loop) or all steps' (after it).
-    # The critic's torso leaves the loop for a pass of its own; the actor's stays; the
-    # final_obs pass is there either way.
+    # the rows they take: one step's environments (in the loop, in the branch that values
+    # truncations, or the observation the rollout ends on) or all steps' (after it). The
+    # critic's torso leaves the loop for a pass of its own; the actor's stays.
     key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-    for rollout, per_step_products, batched_products in ((per_step, 2, 1), (after, 1, 2)):
+    for rollout, per_step_products, batched_products in ((per_step, 4, 0), (after, 3, 1)):
         rows = [int(shape) for shape in re.findall(r"f32\[(\d+),8\]\S* dot\(",
                                                    rollout.lower(key_spec).compile().as_text())]
         assert sorted(rows) == [NUM_ENVS] * per_step_products + [NUM_STEPS * NUM_ENVS] * batched_products
+
+
+@pytest.mark.parametrize("critic_after_steps", [False, True])
+def test_next_value_is_the_value_of_the_observation_reached_where_no_episode_terminated(critic_after_steps):
+    """With a time limit of 5 steps, every environment truncates at steps 4 and 9 of 12 (and
+    some terminate): next_value is the value of the step's final_obs wherever the episode
+    did not terminate, as one pass over every step's final_obs computes it; the rollout
+    keeps the final observations only when asked, and its numbers are the same without."""
+    env = make_env("CartPole-v1")
+    env.core.params = env.core.params.replace(max_steps_in_episode=5)
+    network = make_actor_critic(NetworkConfig(hidden_sizes=(8,)), env.spec)
+    key = jax.random.key(5)
+
+    def rollout(keep_final_obs):
+        obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
+        params = network.init(jax.random.fold_in(key, 1), obs)
+        _, transitions, _ = collect_rollout(env, network.step, params, RolloutState(env_state, obs),
+                                            jax.random.fold_in(key, 2), 12, critic_after_steps, keep_final_obs)
+        return transitions, network.step(params, None, transitions.final_obs, None)[2] if keep_final_obs else None
+
+    (kept, value_of_final_obs), (dropped, _) = jax.jit(rollout, static_argnums=0)(True), \
+        jax.jit(rollout, static_argnums=0)(False)
+    truncated, terminated = np.asarray(kept.truncated), np.asarray(kept.terminated)
+    assert truncated[[4, 9]].all() and truncated.sum() == 2 * NUM_ENVS
+    assert np.any(np.asarray(kept.final_obs)[truncated] != np.asarray(kept.obs)[[5, 10]].reshape(-1, 4))
+    not_terminated = ~terminated
+    np.testing.assert_allclose(np.asarray(kept.next_value)[not_terminated],
+                               np.asarray(value_of_final_obs)[not_terminated], rtol=1e-6, atol=1e-6)
+    assert dropped.final_obs is None
+    for name in ("obs", "action", "value", "next_value", "reward", "terminated", "truncated"):
+        np.testing.assert_array_equal(getattr(dropped, name), getattr(kept, name), err_msg=name)
 
 
 def test_critic_after_steps_needs_a_feed_forward_policy():

@@ -306,7 +306,9 @@ def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: 
     # Both forms and the batched rule share one trace of `update`. Traced once per form, the
     # reset inside the nested branches of a step was traced 4 times (12 under `vmap`, where it
     # is now traced twice): 15 of the 24 s that tracing a CheetahRun step took on a CPU.
-    update = jax.jit(update)
+    # `custom_vmap` refuses batched values in a closure (a sweep's parameters): they pass as operands.
+    closed_update, hoisted = jax.closure_convert(update, operands)
+    update = jax.jit(lambda both: (both[0], closed_update(both[1], *both[0])))
 
     @jax.custom_batching.custom_vmap
     def branch(predicate: jax.Array, operands: Any) -> Any:
@@ -331,7 +333,7 @@ def update_if_any(predicate: jax.Array, update: Callable[[Any], Any], operands: 
             out = update_if_any(jnp.any(predicate), where_own, (predicate, operands))[1]
         return out, jax.tree.map(lambda _: True, out)
 
-    return branch(jnp.asarray(predicate, bool), operands)
+    return branch(jnp.asarray(predicate, bool), (list(hoisted), operands))[1]
 
 
 def branch_as_loop(update: Callable[[Any], Any], predicate: jax.Array, operands: Any) -> Any:
