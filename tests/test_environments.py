@@ -19,13 +19,13 @@ from jaxddppo.training.experiment import build, update_count
 NUM_ENVS, NUM_STEPS = 3, 4
 
 
-def _rollout_fn(env, network, critic_after_steps, keep_final_obs=True, num_steps=NUM_STEPS):
+def _rollout_fn(env, network, critic_after_steps, keep_final_obs=True):
     @jax.jit
     def rollout(key):
         obs, env_state = env.reset(jax.random.fold_in(key, 0), NUM_ENVS)
         params = network.init(jax.random.fold_in(key, 1), obs)
         return collect_rollout(env, network.step, params, RolloutState(env_state, obs),
-                               jax.random.fold_in(key, 2), num_steps, critic_after_steps, keep_final_obs)
+                               jax.random.fold_in(key, 2), NUM_STEPS, critic_after_steps, keep_final_obs)
 
     return rollout
 
