@@ -30,6 +30,7 @@ curves and seed ranges, SUITE.md tabulates the final returns.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -690,6 +691,22 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+# Imported by every trial's process, on both sides (jaxddppo and its references).
+TRIAL_IMPORTS = ("jax", "flax", "optax", "gymnax")
+
+
+def uncached_bytecode(modules: Sequence[str]) -> list[str]:
+    """Those of `modules` (installed, importable) with no compiled bytecode beside their source: a
+    process that imports them compiles their sources first (with PYTHONDONTWRITEBYTECODE set it writes
+    nothing, so every process does), seconds that every trial's process time counts."""
+    uncached = []
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.cached is not None and not os.path.exists(spec.cached):
+            uncached.append(name)
+    return uncached
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
@@ -715,6 +732,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     budgets = ", ".join(f"{task} {spec['total_env_steps']:,} steps" for task, spec in chosen.specs.items())
     print(f"machine: {cpu['cpu_model'] or 'CPU model unknown'}, {os.cpu_count()} CPUs; {chosen.seeds} seed(s); "
           f"{budgets}" + (f"; {len(done)} trial(s) already in {path}" if done else ""), flush=True)
+    uncached = uncached_bytecode(TRIAL_IMPORTS)
+    if uncached:
+        print(f"warning: {', '.join(uncached)} {'has' if len(uncached) == 1 else 'have'} no compiled bytecode: every "
+              f"trial's process compiles its imports first, seconds its process time counts; run python -m "
+              f"compileall on {sys.prefix} or install without pip's --no-compile", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         trials = measure(chosen, lambda trainer, task, seed: run_trial(

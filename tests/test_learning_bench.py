@@ -5,6 +5,7 @@ only with PUREJAXRL set to a clone of it and distrax installed)."""
 import importlib.util
 import json
 import os
+import py_compile
 import struct
 import sys
 from pathlib import Path
@@ -88,6 +89,16 @@ def test_final_returns():
     curve = Curve(list(range(20)), list(range(20)), [float(value) for value in range(20)])
     assert learning.final_return(curve, "training") == np.mean(range(4, 20))  # the last 16 updates
     assert learning.final_return(curve, "evaluation") == 19.0
+
+
+def test_modules_without_compiled_bytecode_are_named(tmp_path, monkeypatch):
+    for name in ("compiled_module", "source_only_module"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    py_compile.compile(str(tmp_path / "compiled_module.py"),
+                       cfile=importlib.util.cache_from_source(str(tmp_path / "compiled_module.py")))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert learning.uncached_bytecode(["compiled_module", "source_only_module", "no_such_module"]) == \
+        ["source_only_module"]
 
 
 def test_the_minatar_suite_has_purejaxrls_settings_and_experiments_minatar_yaml_is_them():
