@@ -691,7 +691,7 @@ def argument_problem(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-# Imported by every trial's process, on both sides (jaxddppo and its references).
+# Imported by the trials' processes on both sides (gymnax by the MinAtar suite's; absent ones are skipped).
 TRIAL_IMPORTS = ("jax", "flax", "optax", "gymnax")
 
 
