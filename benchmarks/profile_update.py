@@ -5,8 +5,9 @@
 
 It profiles the jaxddppo of the checkout it sits in.
 
-The config's `run.cpu_threads` and `run.cpu_devices` apply as in training (the
-CartPole config's single CPU thread, for instance). Prints the seconds spent
+The config's `run.cpu_threads`, `run.cpu_devices` and `run.cpu_tuning` apply as in training
+(the CartPole config's single CPU thread, for instance; the chunk is compiled with the
+train command's compiler options, which it prints). Prints the seconds spent
 building, tracing and lowering, and compiling; the optimised program's `while`
 loops (each is a loop of small XLA operations, run once per iteration); and the
 steady-state time per update of the compiled chunk (the median over `--chunks`
@@ -78,7 +79,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from jaxddppo.config.files import load_config
     from jaxddppo.distributed import multiprocess
-    from jaxddppo.training.experiment import abstract_update_count, build, update_count
+    from jaxddppo.training.experiment import abstract_update_count, build, learn_compiler_options, update_count
 
     config = load_config(args.config, ["checkpoint.every_updates=0", *args.overrides])
     for warning in multiprocess.start_backend(config):
@@ -93,11 +94,13 @@ def main() -> None:
                                           abstract_update_count(experiment.mesh))
     lower_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    chunk = lowered.compile()
+    options = learn_compiler_options(experiment)  # as the train command compiles the chunk
+    chunk = lowered.compile(options)
     compile_seconds = time.perf_counter() - start
     loops = chunk.as_text().count(" while(")
     print(f"build {build_seconds:.2f} s, trace+lower {lower_seconds:.2f} s, XLA compile {compile_seconds:.2f} s; "
           f"{loops} while loops in the optimised program")
+    print(f"compiler options: {options or 'XLA defaults'}")
 
     state, full_chunk = experiment.init_state(), update_count(experiment.mesh, size)
     seconds = []

@@ -333,7 +333,8 @@ def test_the_shim_steps_gymnax_the_five_value_way_and_stands_in_for_unused_simul
 
 @pytest.mark.slow
 def test_profile_update_runs_as_the_config_says(tmp_path):
-    """benchmarks/profile_update.py applies run.cpu_devices and run.cpu_threads, as training does."""
+    """benchmarks/profile_update.py applies run.cpu_devices and run.cpu_threads and compiles with the
+    compiler options, as training does."""
     process = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "profile_update.py"), "--config",
          str(REPO_ROOT / "experiments" / "cartpole.yaml"), "--chunks", "3", "ppo.num_steps=16",
@@ -343,6 +344,7 @@ def test_profile_update_runs_as_the_config_says(tmp_path):
     assert process.returncode == 0, process.stderr
     assert "while loops in the optimised program" in process.stdout
     assert "env steps/s on 2 cpu device(s), 3 XLA CPU pool thread(s)" in process.stdout
+    assert "compiler options: {'xla_backend_optimization_level': 2" in process.stdout  # the train command's
 
 
 def test_env_rates_measure_the_core_and_the_batched_environment_side_by_side():

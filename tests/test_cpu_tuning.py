@@ -116,6 +116,9 @@ def test_the_cpu_switch_compiles_at_lower_levels_the_same_initial_state(asked_op
     assert tuned.config.run.cpu_tuning == "on" and tuned.settings.permutations is sort_permutations
     tuned_programs = experiment.compile_programs(tuned)
     assert sorted(asked_options) == [("cpu", False), ("cpu", False), ("cpu", True)]  # the chunk, the checksums; the init
+    # What profile_update.py compiles the chunk with.
+    assert experiment.learn_compiler_options(tuned) == compiler_options("cpu", runs_once=False)
+    assert experiment.learn_compiler_options(plain) == {}
     want = plain.init_state()
     got = tuned_programs.init(tuned_programs.inputs)
     for got_leaf, want_leaf in zip(host_leaves(got), host_leaves(want), strict=True):

@@ -373,6 +373,13 @@ class CompilingProgram:
         return self.future.result()(*args)
 
 
+def learn_compiler_options(experiment: Experiment) -> dict[str, Any]:
+    """The compiler options of the training chunk (and of the programs that run as often):
+    `cpu_tuning.compiler_options` with `run.cpu_tuning` on, none otherwise."""
+    platform = experiment.mesh.devices.flat[0].platform
+    return cpu_tuning.compiler_options(platform, runs_once=False) if cpu_tuning.is_on(experiment.config) else {}
+
+
 def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> Programs:
     """The initialisation, the chunk of updates, the checkpoints' checksums and, if asked,
     the periodic evaluation and the final one, lowered from the initialisation's output
@@ -396,12 +403,9 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
     state = traced_init.out_info
     platform = experiment.mesh.devices.flat[0].platform
 
-    def tuned() -> dict:
-        return cpu_tuning.compiler_options(platform, runs_once=False) if cpu_tuning.is_on(experiment.config) else {}
-
     # name: (lowering, compiler options)
     first = {"learn": (lambda: experiment.learn_fn().lower(state, inputs, abstract_update_count(experiment.mesh)),
-                       tuned())}
+                       learn_compiler_options(experiment))}
     init_options = cpu_tuning.init_compiler_options(platform, traced_init.jaxpr) \
         if cpu_tuning.is_on(experiment.config) else {}
     first["init"] = (traced_init.lower, init_options)
@@ -410,11 +414,11 @@ def compile_programs(experiment: Experiment, final_evaluation: bool = False) -> 
         compiled = {name: future.result() for name, future in futures.items()}
 
     checksum = global_arrays.checksum_program(experiment.mesh)
-    later = {"checksum": (lambda: checksum.lower(*global_arrays.by_layout(state)), tuned())}
+    later = {"checksum": (lambda: checksum.lower(*global_arrays.by_layout(state)), learn_compiler_options(experiment))}
     if experiment.config.eval.every_updates:
         later["evaluate"] = (lambda: experiment.eval_fn().lower(
             state.params, state.obs_moments, state.update_index, inputs
-        ), tuned())
+        ), learn_compiler_options(experiment))
     if final_evaluation:
         later["final_evaluate"] = (lambda: experiment.lower_final_evaluation(state), {})
     default_device = jax.config.jax_default_device  # a per-thread setting: the background thread's is unset
