@@ -2,7 +2,8 @@
 
 Compiles the training program of the large benchmark config (experiments/cartpole.yaml with
 2048 environments, as bench.py's `large`) on N simulated CPU devices, with
-train.exact_reductions true and false, and reads the collectives from the compiled HLO.
+train.exact_reductions true and false, and reads the collectives from the HLO compiled as the
+train command compiles it.
 The gradient's reduction is the collective (or the pair) as large as the parameter vector;
 it runs once per minibatch. Each device's share of the traffic follows the usual ring
 model: an all-reduce of N values sends 2(D-1)/D x N, an all-to-all of N values or an
@@ -59,7 +60,7 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
     import jax
 
     from jaxddppo.config.files import load_config, with_overrides
-    from jaxddppo.training.experiment import build, update_count
+    from jaxddppo.training.experiment import build, learn_compiler_options, update_count
 
     config = with_overrides(load_config(config_path), {**LARGE_OVERRIDES, "train.exact_reductions": exact})
     experiment = build(config)
@@ -68,7 +69,7 @@ def measure(config_path: str, exact: bool) -> dict[str, Any]:
                                           update_count(experiment.mesh, config.train.updates_per_chunk))
     parameters = sum(leaf.size for leaf in jax.tree.leaves(state.params))
     return {"devices": jax.device_count(), "exact_reductions": exact, "parameters": parameters,
-            "collectives": collectives(program.compile().as_text())}
+            "collectives": collectives(program.compile(learn_compiler_options(experiment)).as_text())}
 
 
 def gradient_row(result: dict[str, Any]) -> dict[str, Any]:
