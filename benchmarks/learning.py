@@ -373,10 +373,24 @@ def trial_curve(trial: Mapping[str, Any], kind: str) -> Curve:
     return brax_curve(trial["outputs"])
 
 
-def final_return(curve: Curve, kind: str) -> float:
-    """A trial's final return: training, the mean of its last FINAL_UPDATES updates' returns; evaluation,
-    the last evaluation."""
-    return float(np.mean(curve.returns[-FINAL_UPDATES:])) if kind == "training" else curve.returns[-1]
+def final_return(curve: Curve, kind: str, spec: Mapping[str, Any]) -> float:
+    """A trial's final return: training, the mean of the returns of its last FINAL_UPDATES updates
+    (the points after `final_window_start`; an update in which no episode ended has none), or where
+    none has one (episodes longer than the window), the last update's that has; evaluation, the
+    last evaluation.
+
+    The window is counted in updates, not points: Freeway's 64 episodes all end together every 2,500
+    steps (one update in 20), and its last 16 points spanned the last 26% of the run."""
+    if kind != "training":
+        return curve.returns[-1]
+    start = final_window_start(spec)
+    in_window = [value for steps, value in zip(curve.env_steps, curve.returns) if steps > start]
+    return float(np.mean(in_window)) if in_window else curve.returns[-1]
+
+
+def final_window_start(spec: Mapping[str, Any]) -> int:
+    """The env steps after which a run's last FINAL_UPDATES updates begin."""
+    return spec["total_env_steps"] - FINAL_UPDATES * steps_per_update(spec)
 
 
 def compile_seconds(trial: Mapping[str, Any]) -> float:
@@ -392,12 +406,20 @@ def evaluation_return(trial: Mapping[str, Any]) -> Optional[float]:
     return outputs.get("eval_return")
 
 
-def measured(trial: Mapping[str, Any], kind: str) -> dict[str, Any]:
-    """A trial's curve and the numbers the table takes from it."""
+def measured(trial: Mapping[str, Any], kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A trial's curve and the numbers the table takes from it, from its raw outputs and its task's
+    settings (`spec`)."""
     curve = trial_curve(trial, kind)
     return {"curve": {"env_steps": curve.env_steps, "seconds": curve.seconds, "returns": curve.returns},
-            "final_return": final_return(curve, kind), "eval_return": evaluation_return(trial),
+            "final_return": final_return(curve, kind, spec), "eval_return": evaluation_return(trial),
             "compile_seconds": compile_seconds(trial)}
+
+
+def remeasured(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` with every trial's curve and numbers derived again from its raw outputs, as this
+    version of the benchmark derives them (`--report` draws a record measured by an older one)."""
+    return {**record, "trials": [{**trial, **measured(trial, record["curve"], record["specs"][trial["task"]])}
+                                 for trial in record["trials"]]}
 
 
 # ---------------------------------------------------------------- medians, ranges and the table
@@ -557,9 +579,10 @@ def measure(chosen: Suite, run: Callable[[str, str, int], dict[str, Any]],
             trainers: Optional[Sequence[str]] = None, done: Sequence[dict[str, Any]] = (),
             after_trial: Optional[Callable[[list[dict[str, Any]]], None]] = None) -> list[dict[str, Any]]:
     """Seed after seed, task after task, jaxddppo then the reference (or `trainers`); each trial with its
-    curve and numbers. The trials in `done` (an earlier record's) are kept and not run again; after each
-    new trial, `after_trial` gets the trials so far. Prints one line per trial."""
-    trials = list(done)
+    curve and numbers. The trials in `done` (an earlier record's) are kept and not run again (their
+    numbers derived again from their raw outputs); after each new trial, `after_trial` gets the trials
+    so far. Prints one line per trial."""
+    trials = [{**trial, **measured(trial, chosen.curve, chosen.specs[trial["task"]])} for trial in done]
     measured_already = {(trial["task"], trial["trainer"], trial["seed"]) for trial in done}
     for seed in range(chosen.seeds):
         for task in chosen.specs:
@@ -567,7 +590,7 @@ def measure(chosen: Suite, run: Callable[[str, str, int], dict[str, Any]],
                 if (task, trainer, seed) in measured_already:
                     continue
                 trial = {"task": task, **run(trainer, task, seed)}
-                trial.update(measured(trial, chosen.curve))
+                trial.update(measured(trial, chosen.curve, chosen.specs[task]))
                 trials.append(trial)
                 print(f"{trial_label(trial)}: final return {trial['final_return']:.2f}, evaluation "
                       f"{number(trial['eval_return'], 2)}, compile {trial['compile_seconds']:.1f} s, process "
@@ -710,7 +733,7 @@ def uncached_bytecode(modules: Sequence[str]) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        record = json.loads(args.report.read_text())
+        record = remeasured(json.loads(args.report.read_text()))
         figure, table = write_report(record, args.out)
         print(format_table(record))
         print(f"wrote {figure} and {table}")

@@ -86,9 +86,23 @@ def test_purejaxrl_episode_returns_are_the_mean_of_the_episodes_ended_in_each_up
 
 
 def test_final_returns():
-    curve = Curve(list(range(20)), list(range(20)), [float(value) for value in range(20)])
-    assert learning.final_return(curve, "training") == np.mean(range(4, 20))  # the last 16 updates
-    assert learning.final_return(curve, "evaluation") == 19.0
+    spec = {"num_envs": 2, "num_steps": 5, "total_env_steps": 200}  # 20 updates of 10 steps
+    updates = range(1, 21)
+    curve = Curve([10 * update for update in updates], list(updates), [float(update) for update in updates])
+    assert learning.final_return(curve, "training", spec) == np.mean(range(5, 21))  # the last 16 updates
+    assert learning.final_return(curve, "evaluation", spec) == 20.0
+
+
+def test_the_final_return_counts_updates_not_points():
+    # Episodes that all end together, in one update of 6 (updates 4, 10 and 16 of 20): the last 16
+    # updates (5-20) hold the points of updates 10 and 16 only.
+    spec = {"num_envs": 2, "num_steps": 5, "total_env_steps": 200}
+    ended = [4, 10, 16]
+    curve = Curve([10 * update for update in ended], ended, [1.0, 2.0, 4.0])
+    assert learning.final_return(curve, "training", spec) == np.mean([2.0, 4.0])
+    # No episode ended in the last 16 updates: the last update in which some did.
+    late = Curve([10], [1], [3.0])
+    assert learning.final_return(late, "training", spec) == 3.0
 
 
 def test_modules_without_compiled_bytecode_are_named(tmp_path, monkeypatch):
@@ -204,6 +218,10 @@ def test_arguments_are_checked(tmp_path, capsys):
 # ---------------------------------------------------------------- resuming a record
 
 
+# The sizes of a made-up trial: two updates of 8 steps.
+MADE_UP_SPEC = {"num_envs": 2, "num_steps": 4, "total_env_steps": 16}
+
+
 def made_up_trial(trainer: str, task: str, seed: int) -> dict:
     """What run_trial returns for jaxddppo or PureJaxRL, without running anything: two updates."""
     if trainer == "jaxddppo":
@@ -218,7 +236,7 @@ def made_up_trial(trainer: str, task: str, seed: int) -> dict:
 
 
 def test_a_run_saves_after_each_trial_and_runs_only_what_the_record_lacks():
-    chosen = learning.Suite("minatar", {"A": {}, "B": {}}, seeds=2, curve="training")
+    chosen = learning.Suite("minatar", {"A": MADE_UP_SPEC, "B": MADE_UP_SPEC}, seeds=2, curve="training")
     run, saved = [], []
     first = learning.measure(chosen, lambda *trial: run.append(trial) or made_up_trial(*trial), ("purejaxrl",),
                              after_trial=lambda trials: saved.append(len(trials)))
@@ -226,7 +244,7 @@ def test_a_run_saves_after_each_trial_and_runs_only_what_the_record_lacks():
     assert saved == [1, 2, 3, 4]
 
     run.clear()
-    more = learning.Suite("minatar", {"A": {}, "B": {}}, seeds=3, curve="training")
+    more = learning.Suite("minatar", {"A": MADE_UP_SPEC, "B": MADE_UP_SPEC}, seeds=3, curve="training")
     trials = learning.measure(more, lambda *trial: run.append(trial) or made_up_trial(*trial), ("purejaxrl",),
                               done=first[:3])
     assert run == [("purejaxrl", "B", 1), ("purejaxrl", "A", 2), ("purejaxrl", "B", 2)]
@@ -283,6 +301,16 @@ TINY = {**learning.MINATAR_SETTINGS, "env_id": "CartPole-v1", "num_envs": 8, "nu
         "num_minibatches": 2, "activation": "tanh", "learning_rate": 2.5e-3, "total_env_steps": 8 * 8 * 32}
 PUREJAXRL = os.environ.get("PUREJAXRL")
 WITH_PUREJAXRL = bool(PUREJAXRL) and importlib.util.find_spec("distrax") is not None
+
+
+def test_the_report_derives_the_numbers_again_from_the_raw_outputs(breakout_record, tmp_path):
+    out, _ = breakout_record
+    record = json.loads((out / "minatar.json").read_text())
+    stale = {**record, "trials": [{**trial, "final_return": 1234.5} for trial in record["trials"]]}
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    assert learning.main(["--report", str(tmp_path / "stale.json"), "--out", str(tmp_path)]) == 0
+    assert learning.remeasured(stale)["trials"] == record["trials"]
+    assert "1,234.5" not in (tmp_path / "minatar.md").read_text()
 
 
 @pytest.fixture(scope="module")
