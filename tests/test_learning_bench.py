@@ -101,8 +101,8 @@ def test_the_final_return_counts_updates_not_points():
     curve = Curve([10 * update for update in ended], ended, [1.0, 2.0, 4.0])
     assert learning.final_return(curve, "training", spec) == np.mean([2.0, 4.0])
     # No episode ended in the last 16 updates: the last update in which some did.
-    late = Curve([10], [1], [3.0])
-    assert learning.final_return(late, "training", spec) == 3.0
+    early = Curve([10, 20], [1, 2], [3.0, 5.0])
+    assert learning.final_return(early, "training", spec) == 5.0
 
 
 def test_modules_without_compiled_bytecode_are_named(tmp_path, monkeypatch):
