@@ -376,8 +376,8 @@ def trial_curve(trial: Mapping[str, Any], kind: str) -> Curve:
 def final_return(curve: Curve, kind: str, spec: Mapping[str, Any]) -> float:
     """A trial's final return: training, the mean of the returns of its last FINAL_UPDATES updates
     (the points after `final_window_start`; an update in which no episode ended has none), or where
-    none has one (episodes longer than the window), the last update's that has; evaluation, the
-    last evaluation.
+    none has one (episodes longer than the window), the last update's that has, NaN if no episode
+    ended at all; evaluation, the last evaluation.
 
     The window is counted in updates, not points: Freeway's 64 episodes all end together every 2,500
     steps (one update in 20), and its last 16 points spanned the last 26% of the run."""
@@ -385,7 +385,9 @@ def final_return(curve: Curve, kind: str, spec: Mapping[str, Any]) -> float:
         return curve.returns[-1]
     start = final_window_start(spec)
     in_window = [value for steps, value in zip(curve.env_steps, curve.returns) if steps > start]
-    return float(np.mean(in_window)) if in_window else curve.returns[-1]
+    if in_window:
+        return float(np.mean(in_window))
+    return curve.returns[-1] if curve.returns else float("nan")
 
 
 def final_window_start(spec: Mapping[str, Any]) -> int:

@@ -103,6 +103,8 @@ def test_the_final_return_counts_updates_not_points():
     # No episode ended in the last 16 updates: the last update in which some did.
     early = Curve([10, 20], [1, 2], [3.0, 5.0])
     assert learning.final_return(early, "training", spec) == 5.0
+    # No episode ended in the whole run (a budget shorter than one Freeway episode): no number.
+    assert np.isnan(learning.final_return(Curve([], [], []), "training", spec))
 
 
 def test_modules_without_compiled_bytecode_are_named(tmp_path, monkeypatch):
