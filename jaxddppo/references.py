@@ -1,6 +1,6 @@
 """A user's own code named in a config: `module.path:attribute` references (gymnasium's
 entry-point form), the objects the Python API takes in their place, and one-line errors
-for whatever goes wrong in them.
+for whatever goes wrong in them; a user's torso, checked and called as its contract says.
 
 A reference is imported as Python imports a module (the working directory first, then
 `PYTHONPATH` and the installed packages): a config that names one runs that code when it
@@ -22,7 +22,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from jaxddppo.config.options import Config, ConfigError
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxddppo.config.options import Config, ConfigError, NetworkConfig
 
 # The module part of an object's `env.id` / `network.torso` when it has no importable reference.
 OBJECT_PREFIX = "<object>"
@@ -187,3 +191,53 @@ def with_objects(config: Config, env: Any = None, torso: Any = None) -> tuple[Co
             config.network, torso=config_value_of(torso),
             torso_kwargs=config.network.torso_kwargs if is_factory(torso) else {}))
     return config, UserObjects(env, torso)
+
+
+def _torso_name(target: Any) -> str:
+    return getattr(target, "__qualname__", None) or type(target).__qualname__
+
+
+def make_user_torso(config: NetworkConfig, observations: Any, given: Any = None) -> nn.Module:
+    """The user's torso (`network.torso=module:attribute`, or the module or factory `given` to the
+    Python API) as an unbound flax module, checked on a batch of 2 `observations` (the shapes and
+    dtypes of their leaves, without the action mask): ConfigError unless it initialises and
+    returns features [2, F] of a float dtype and keeps only parameters."""
+    key, value = "network.torso", config.torso
+    target = resolve(key, value, given, "torso")
+    kwargs = dict(config.torso_kwargs)
+    if isinstance(target, nn.Module):
+        if kwargs:
+            raise ConfigError(f"network.torso_kwargs={kwargs!r} is invalid for {key}={value!r}: it names a module "
+                              "instance, not a class or factory to pass them to")
+        torso = target
+    elif callable(target):
+        torso = call_user_code(key, value, f"{_torso_name(target)}(**network.torso_kwargs)", lambda: target(**kwargs),
+                               origin=target)
+        if not isinstance(torso, nn.Module):
+            raise ConfigError(f"{key}={value!r}: {_torso_name(target)}(**network.torso_kwargs) returned "
+                              f"{article(type(torso).__qualname__)}, not a flax linen Module")
+    else:
+        raise ConfigError(f"{key}={value!r} names {article(type(target).__qualname__)}, neither a flax linen Module "
+                          "nor a class or factory that returns one")
+    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct((2, *leaf.shape), leaf.dtype), observations)
+    features, variables = call_user_code(key, value, "calling the torso on a batch of observations", jax.eval_shape,
+                                         lambda obs: torso.init_with_output(jax.random.key(0), obs), batch)
+    if set(variables) - {"params"}:
+        raise ConfigError(f"{key}={value!r}: the torso keeps variables other than parameters "
+                          f"({', '.join(sorted(set(variables) - {'params'}))}), which the trainer does not update")
+    shape = getattr(features, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != 2 or not jnp.issubdtype(features.dtype, jnp.floating):
+        got = f"{tuple(shape)} {features.dtype}" if shape is not None else article(type(features).__qualname__)
+        raise ConfigError(f"{key}={value!r}: the torso must return float features [batch, F]; on a batch of 2 "
+                          f"observations it returned {got}")
+    return torso
+
+
+def user_torso_features(torso: nn.Module, observations: Any, observation_rank: int) -> jax.Array:
+    """A user's torso on observations of any leading batch shape [..., *leaf shape]: called on
+    one batch axis [N, ...], as its contract says, its features [N, F] returned as [..., F]."""
+    first = jax.tree.leaves(observations)[0]
+    batch_shape = first.shape[:first.ndim - observation_rank]
+    flat = jax.tree.map(lambda leaf: leaf.reshape((-1,) + leaf.shape[len(batch_shape):]), observations)
+    features = torso(flat)
+    return features.reshape(batch_shape + features.shape[1:])

@@ -50,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # CartPole, 8 envs x 16 steps = 128 env steps per update, 12 updates, chunks of 4, a checkpoint every 4;
 # with both running statistics, so that they too must survive a resume exactly.
-# The fields of the state that checkpoint format 5 holds: a field added to every run's state
+# The fields of the state that checkpoint format 6 holds: a field added to every run's state
 # (as PBT's first was) would leave the checkpoints written before it unreadable.
 STATE_FIELDS = {"params", "opt_state", "rollout", "key", "update_index", "obs_moments", "return_moments"}
 
@@ -270,10 +270,10 @@ def test_a_resume_that_finds_no_usable_checkpoint_renames_none_of_them(tmp_path)
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
-@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("written_format", [pytest.param("absent", marks=pytest.mark.slow), 5])
 def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path, monkeypatch, written_format):
-    """Checkpoints of jaxddppo before format 5 (format 4: a digest over the leaves in the order
-    of the state's fields; none recorded: before format 2) are refused by --resume with one line and exit 2, and
+    """Checkpoints of jaxddppo before format 6 (format 5: kernels [in, out]; 4: a digest over the leaves in the
+    order of the state's fields; none recorded: before format 2) are refused by --resume with one line and exit 2, and
     left as they were (not set aside as unreadable)."""
     run_dir = tmp_path / "run"
     with monkeypatch.context() as patch:
@@ -287,8 +287,8 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_and_kept(tmp_path
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format {1 if written_format == 'absent' else 4}, "
-        "this jaxddppo reads format 5 only (the version that wrote it can still read it); start a new run")
+        f"error: checkpoint {run_dir / 'checkpoints' / '4'} has format {1 if written_format == 'absent' else 5}, "
+        "this jaxddppo reads format 6 only (the version that wrote it can still read it); start a new run")
     assert "Traceback" not in result.stderr
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
@@ -600,7 +600,7 @@ def test_load_policy_refuses_a_checkpoint_that_does_not_fit_the_network(one_go, 
         "hidden_sizes:\n  - 64\n  - 64", "hidden_sizes:\n  - 64\n  - 32"))
     with pytest.raises(ConfigError, match=(
             rf"^checkpoint {run_dir / 'checkpoints' / '12'} does not fit the network that config.yaml and "
-            r"env_spec.json describe: params/params/Dense_0/kernel is float32\[64, 1\] there, float32\[32, 1\] in the "
+            r"env_spec.json describe: params/params/Dense_0/kernel is float32\[1, 64\] there, float32\[1, 32\] in the "
             r"network$")):
         load_policy(str(run_dir))
 

@@ -123,16 +123,16 @@ def test_critic_after_steps_is_the_same_rollout_with_the_critic_out_of_the_loop(
     for name in ("value", "next_value"):
         np.testing.assert_allclose(getattr(transitions, name), getattr(expected, name), rtol=1e-6, atol=1e-6,
                                    err_msg=name)
-    # The compiled programs' torso products (8 columns; XLA before jaxlib 0.10 turns a
-    # product with one column, such as the critic's head, into a multiply and a sum), by
-    # the rows they take: one step's environments (in the loop, in the branch that values
-    # truncations, or the observation the rollout ends on) or all steps' (after it). The
-    # critic's torso leaves the loop for a pass of its own; the actor's stays.
+    # The compiled programs' torso products (8 features, feature-major: [8, samples]; XLA
+    # before jaxlib 0.10 turns a product with one output, such as the critic's head, into a
+    # multiply and a sum), by the samples they take: one step's environments (in the loop, in
+    # the branch that values truncations, or the observation the rollout ends on) or all
+    # steps' (after it). The critic's torso leaves the loop for a pass of its own; the actor's stays.
     key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     for rollout, per_step_products, batched_products in ((per_step, 4, 0), (after, 3, 1)):
-        rows = [int(shape) for shape in re.findall(r"f32\[(\d+),8\]\S* dot\(",
-                                                   rollout.lower(key_spec).compile().as_text())]
-        assert sorted(rows) == [NUM_ENVS] * per_step_products + [NUM_STEPS * NUM_ENVS] * batched_products
+        samples = [int(shape) for shape in re.findall(r"f32\[8,(\d+)\]\S* dot\(",
+                                                      rollout.lower(key_spec).compile().as_text())]
+        assert sorted(samples) == [NUM_ENVS] * per_step_products + [NUM_STEPS * NUM_ENVS] * batched_products
 
 
 @pytest.mark.parametrize("critic_after_steps", [False, True])

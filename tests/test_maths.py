@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxddppo import sharding
+from jaxddppo import networks, sharding
 from jaxddppo.config.options import ConfigError, NetworkConfig
 from jaxddppo.cpu.tuning import sort_permutations
 from jaxddppo.distributed import global_arrays
 from jaxddppo.envs import BatchedEnv, make_env
 from jaxddppo.envs.base import take_pending
-from jaxddppo.networks import Categorical, DiagGaussian, make_actor_critic, orthogonal
+from jaxddppo.networks import Categorical, DiagGaussian, FeatureMajorDense, make_actor_critic, orthogonal
 from jaxddppo.ppo import (
     LossInfo,
     PPOHyperparams,
@@ -348,39 +348,59 @@ def test_ppo_loss_and_gradient(clip_value):
 
 
 def mlp_gradients_float64(params, obs, logits_grad, value_grad):
-    """Backpropagation through the two-torso tanh MLP by hand, in float64: the gradients of
-    sum(logits * logits_grad) + sum(value * value_grad) for every parameter."""
+    """Backpropagation through the two-torso tanh MLP by hand, in float64, with activations
+    [N, F] and kernels [out, in]: the gradients of sum(logits * logits_grad) + sum(value *
+    value_grad) for every parameter."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), params["params"])
     flat_obs = obs.reshape(-1, obs.shape[-1]).astype(np.float64)
 
     def torso_forward(torso):
         activations = [flat_obs]
         for layer in ("Dense_0", "Dense_1"):
-            activations.append(np.tanh(activations[-1] @ torso[layer]["kernel"] + torso[layer]["bias"]))
+            activations.append(np.tanh(activations[-1] @ torso[layer]["kernel"].T + torso[layer]["bias"]))
         return activations
 
     def torso_backward(torso, activations, output_grad):
         grads = {}
         for index, layer in reversed(list(enumerate(("Dense_0", "Dense_1")))):
             pre_activation_grad = output_grad * (1.0 - activations[index + 1] ** 2)
-            grads[layer] = {"kernel": activations[index].T @ pre_activation_grad, "bias": pre_activation_grad.sum(0)}
-            output_grad = pre_activation_grad @ torso[layer]["kernel"].T
+            grads[layer] = {"kernel": pre_activation_grad.T @ activations[index], "bias": pre_activation_grad.sum(0)}
+            output_grad = pre_activation_grad @ torso[layer]["kernel"]
         return grads
 
     grads = {}
     for torso_name, head, head_grad in (("actor_torso", "Dense_1", logits_grad.reshape(-1, logits_grad.shape[-1])),
                                         ("critic_torso", "Dense_0", value_grad.reshape(-1, 1))):
         activations = torso_forward(params[torso_name])
-        grads[head] = {"kernel": activations[-1].T @ head_grad, "bias": head_grad.sum(0)}
-        features_grad = head_grad @ params[head]["kernel"].T
+        grads[head] = {"kernel": head_grad.T @ activations[-1], "bias": head_grad.sum(0)}
+        features_grad = head_grad @ params[head]["kernel"]
         grads[torso_name] = torso_backward(params[torso_name], activations, features_grad)
     return {"params": grads}
 
 
+def test_a_feature_major_dense_layer_is_flax_s_dense_with_its_kernel_transposed():
+    """Drawn from the same key, the kernel is nn.Dense's transposed, bit for bit; on inputs [T, B, in]
+    (batch-major) and [in, T, B] (feature-major) the outputs [out, T, B] are nn.Dense's, up to the
+    order of a float32 sum of 5 terms."""
+    x = jax.random.normal(jax.random.key(1), (3, 4, 5))
+    dense = nn.Dense(6, kernel_init=orthogonal(2.0))
+    dense_params = dense.init(jax.random.key(0), x)
+    for feature_axis, inputs in ((-1, x), (0, jnp.moveaxis(x, -1, 0))):
+        layer = FeatureMajorDense(6, 2.0)
+        params = layer.init(jax.random.key(0), inputs, feature_axis)
+        assert np.array_equal(params["params"]["kernel"], dense_params["params"]["kernel"].T)
+        outputs = layer.apply(params, inputs, feature_axis)
+        assert outputs.shape == (6, 3, 4)
+        np.testing.assert_allclose(outputs, jnp.moveaxis(dense.apply(dense_params, x), -1, 0), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.oldest
-def test_network_gradients_match_float64_backpropagation():
+@pytest.mark.parametrize("transposed_kernel_min_macs", [networks.TRANSPOSED_KERNEL_MIN_MACS, 0])
+def test_network_gradients_match_float64_backpropagation(monkeypatch, transposed_kernel_min_macs):
     """The MLP's parameter gradients against NumPy float64; observations [T, B, obs] as
-    in a rollout, jitted and under the shard vmap."""
+    in a rollout, jitted and under the shard vmap; with the hidden layer's input gradient
+    through its kernel as XLA computes it, and through the kernel transposed (as large layers take it)."""
+    monkeypatch.setattr(networks, "TRANSPOSED_KERNEL_MIN_MACS", transposed_kernel_min_macs)
     network = make_actor_critic(NetworkConfig(hidden_sizes=(16, 8)), make_env("CartPole-v1").spec)
     rng = np.random.default_rng(3)
     obs = rng.normal(size=(2, 5, 3, 4)).astype(np.float32)  # [shards, T, B, obs]
@@ -412,7 +432,7 @@ def test_the_actor_torso_takes_its_own_widths_and_the_critic_hidden_sizes():
 
     def widths(config: NetworkConfig) -> dict[str, list[int]]:
         params = make_actor_critic(config, spec).init(jax.random.key(0), jnp.zeros((1, 3)))["params"]
-        return {torso: [params[torso][f"Dense_{i}"]["kernel"].shape[1] for i in range(len(params[torso]))]
+        return {torso: [params[torso][f"Dense_{i}"]["kernel"].shape[0] for i in range(len(params[torso]))]
                 for torso in ("actor_torso", "critic_torso")}
 
     assert widths(NetworkConfig(hidden_sizes=(16, 16, 16), actor_hidden_sizes=(4, 8))) == {

@@ -237,7 +237,7 @@ def test_training_on_dict_observations_is_the_same_on_one_and_two_devices(traine
     assert float(moments.count) == 8 * 8 * 3
     params = global_arrays.local_copy(one.params)["params"]["actor_torso"]
     assert set(params) == {"Conv_0", "Dense_0"}
-    assert params["Dense_0"]["kernel"].shape == (3 * 3 * 2 + 4, 8)  # CNN features, then the vector
+    assert params["Dense_0"]["kernel"].shape == (8, 3 * 3 * 2 + 4)  # [out, in]: CNN features, then the vector
 
 
 def test_a_dict_observation_state_checkpoints_and_evaluates(trained_on_one_and_two_devices, tmp_path):

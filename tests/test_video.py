@@ -96,8 +96,8 @@ def test_a_cartpole_episode_is_drawn_frame_by_frame(cartpole_run, tmp_path):
 
 def test_a_grid_world_episode_is_drawn_frame_by_frame(tmp_path):
     experiment = build(from_dict(tiny_run(tmp_path / "unused", "xminigrid:MiniGrid-Empty-6x6")), jax.devices()[:1])
-    # a policy that walks two cells to a wall and stays there until the time limit (144 steps)
-    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=1), tmp_path,
+    # a policy that moves, then runs into the time limit (144 steps)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=2), tmp_path,
                                   lambda timestep: int(timestep.step_type) == 2)  # xminigrid's StepType.LAST
     assert len(frames) == 145
 
@@ -153,9 +153,9 @@ def test_a_navix_episode_is_drawn_by_its_rgb_observation(tmp_path):
     if not family_installed("navix"):
         pytest.skip("the navix extra is not installed")
     experiment = build(from_dict(tiny_run(tmp_path / "unused", "navix:Navix-Empty-5x5-v0")), jax.devices()[:1])
-    # a policy that changes the grid once, then repeats an action that changes nothing (most random ones never
-    # change it) and so never reaches the goal: the episode ends at the time limit (100 steps)
-    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=2), tmp_path,
+    # a policy that changes the grid, but never reaches the goal (most random ones never change it):
+    # the episode ends at the time limit (100 steps)
+    frames = assert_episode_video(experiment.env, experiment.network, random_params(experiment, seed=3), tmp_path,
                                   lambda state: int(state[0]) >= 100)
     assert len(frames) == 101 and frames[0].shape == (320, 320, 3)
 

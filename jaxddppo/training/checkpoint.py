@@ -32,11 +32,12 @@ from jax.experimental import multihost_utils
 from jaxddppo.distributed import global_arrays
 
 CHECKPOINT_SUBDIR = "checkpoints"
-# The layout of the saved state, recorded beside the counters; another is refused. 5: the
-# parameters, optimizer state and statistics are saved once per member, not once per shard,
-# and the digest does not depend on the order of the leaves (formats 1 to 4, and checkpoints
-# without a digest, come from earlier versions of 0.1.0).
-CHECKPOINT_FORMAT = 5
+# The layout of the saved state, recorded beside the counters; another is refused. 6: the
+# built-in networks' dense kernels are [out, in] (`networks.FeatureMajorDense`); 5 had them
+# [in, out]. Since 5 the parameters, optimizer state and statistics are saved once per member,
+# not once per shard, and the digest does not depend on the order of the leaves (formats 1 to
+# 5, and checkpoints without a digest, come from earlier versions of 0.1.0).
+CHECKPOINT_FORMAT = 6
 _FORMAT_KEY = "checkpoint_format"
 _DIGEST_ITEM = "digest"
 _TEMPORARY = "*.orbax-checkpoint-tmp*"  # orbax's name for a step being written
